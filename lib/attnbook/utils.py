@@ -1,0 +1,56 @@
+"""Small helpers every chapter uses: the device, seeding, and showing library source on the page."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def device() -> torch.device:
+    """The best device available: CUDA, else Apple MPS, else CPU.
+
+    Set the environment variable ``ATTNBOOK_DEVICE`` (e.g. ``cpu``) to force one.
+    """
+    forced = os.environ.get("ATTNBOOK_DEVICE")
+    if forced:
+        return torch.device(forced)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def on_gpu() -> bool:
+    """True when :func:`device` is not the CPU (chapters then train longer)."""
+    return device().type != "cpu"
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy and PyTorch (CPU and every GPU) so a run repeats."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def show_source(obj):
+    """Display the source code of a function, class or module, highlighted.
+
+    Returns an ``IPython.display.Code`` object: Jupyter and the HTML book both render it as a
+    highlighted code block, and its plain-text form is the source itself.
+    """
+    from IPython.display import Code
+
+    try:
+        source = inspect.getsource(obj)
+    except (TypeError, OSError) as error:
+        raise TypeError(f"show_source needs a function, class or module with Python source, got {obj!r}") from error
+    return Code(source, language="python")
