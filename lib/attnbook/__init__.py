@@ -11,7 +11,7 @@ from .attention import (
     scaled_dot_product_attention,
 )
 from .masks import causal_mask, combine_masks, padding_mask
-from .utils import device, on_gpu, seed_everything, show_source
+from .utils import device, on_gpu, progress, seed_everything, show_source
 
 __all__ = [
     "AdditiveAttention",
@@ -22,6 +22,7 @@ __all__ = [
     "memory_efficient_attention",
     "on_gpu",
     "padding_mask",
+    "progress",
     "scaled_dot_product_attention",
     "seed_everything",
     "show_source",

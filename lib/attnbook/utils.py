@@ -54,3 +54,17 @@ def show_source(obj):
     except (TypeError, OSError) as error:
         raise TypeError(f"show_source needs a function, class or module with Python source, got {obj!r}") from error
     return Code(source, language="python")
+
+
+def progress(iterable=None, **kwargs):
+    """A tqdm progress bar (``tqdm.auto``): a widget in Jupyter when ipywidgets is installed,
+    a text bar otherwise (without tqdm's warning about the missing widget library)."""
+    import warnings
+
+    from tqdm import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TqdmWarning)
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, **kwargs)

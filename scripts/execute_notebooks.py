@@ -1,0 +1,76 @@
+"""Execute notebooks top to bottom, in place; a notebook is replaced only when its whole run succeeded.
+
+Usage: python scripts/execute_notebooks.py [NOTEBOOK ...]   (default: every book/*.ipynb)
+
+Progress bars write carriage returns to stderr many times a second; before saving, consecutive
+stream outputs are merged and each line keeps only what a terminal would show after its last
+carriage return, so the stored notebook holds each bar's final state once.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_carriage_returns(text: str) -> str:
+    lines = []
+    for line in text.split("\n"):
+        line = line.rstrip("\r")
+        lines.append(line.rsplit("\r", 1)[-1])
+    return "\n".join(lines)
+
+
+def tidy_streams(nb) -> None:
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        merged = []
+        for out in cell.outputs:
+            if merged and out.output_type == "stream" and merged[-1].output_type == "stream" and (
+                merged[-1].name == out.name
+            ):
+                merged[-1].text += out.text
+            else:
+                merged.append(out)
+        for out in merged:
+            if out.output_type == "stream":
+                out.text = resolve_carriage_returns(out.text)
+        cell.outputs = [out for out in merged if out.output_type != "stream" or out.text.strip()]
+
+
+def execute(path: Path) -> float:
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    elapsed = time.perf_counter() - start
+    tidy_streams(nb)
+    nbformat.write(nb, path)
+    return elapsed
+
+
+def main(argv: list[str]) -> int:
+    paths = [Path(p) for p in argv] or sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    failed = []
+    for path in paths:
+        try:
+            seconds = execute(path)
+        except Exception as error:  # keep the old notebook, report, go on
+            failed.append(path)
+            message = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+            print(f"FAILED {path}: {message[-3000:]}", file=sys.stderr)
+            continue
+        print(f"{path}: executed in {seconds:.1f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
