@@ -10,11 +10,41 @@ from .attention import (
     memory_efficient_attention,
     scaled_dot_product_attention,
 )
+from .blocks import DecoderBlock, EncoderBlock, FeedForward
 from .masks import causal_mask, combine_masks, padding_mask
+from .multihead import (
+    KVCache,
+    MultiHeadAttention,
+    RotaryMultiHeadAttention,
+    WideMultiHeadAttention,
+    merge_heads,
+    split_heads,
+)
+from .positions import (
+    LearnedPositions,
+    SinusoidalPositions,
+    apply_rope,
+    interpolate_grid,
+    sinusoidal_encoding,
+)
 from .utils import device, on_gpu, progress, seed_everything, show_source
 
 __all__ = [
     "AdditiveAttention",
+    "DecoderBlock",
+    "EncoderBlock",
+    "FeedForward",
+    "KVCache",
+    "LearnedPositions",
+    "MultiHeadAttention",
+    "RotaryMultiHeadAttention",
+    "SinusoidalPositions",
+    "WideMultiHeadAttention",
+    "apply_rope",
+    "interpolate_grid",
+    "merge_heads",
+    "sinusoidal_encoding",
+    "split_heads",
     "causal_mask",
     "combine_masks",
     "device",

@@ -1,0 +1,150 @@
+"""The transformer block: position-wise feed-forward network, add & norm, encoder and decoder blocks.
+
+Every block maps ``(B, T, d)`` to ``(B, T, d)``: each token keeps its own vector (no pooling).
+``norm="post"`` is the original ``LayerNorm(x + Sublayer(x))``; ``norm="pre"`` is
+``x + Sublayer(LayerNorm(x))`` (ViT, GPT-2 and most later models).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .multihead import MultiHeadAttention
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+
+
+def _check_choices(norm: str, activation: str) -> None:
+    if norm not in ("post", "pre"):
+        raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+
+
+class FeedForward(nn.Module):
+    """The same two-layer MLP on every token: ``d -> hidden -> d`` (``hidden`` defaults to ``4 d``).
+
+    ``8 d^2 + 5 d`` parameters at the default width.
+    """
+
+    def __init__(self, d: int, hidden: int | None = None, activation: str = "relu", dropout: float = 0.0):
+        super().__init__()
+        hidden = 4 * d if hidden is None else hidden
+        if not isinstance(d, int) or not isinstance(hidden, int) or d < 1 or hidden < 1:
+            raise ValueError(f"d and hidden must be positive ints, got d={d!r}, hidden={hidden!r}")
+        _check_choices("post", activation)
+        self.fc1 = nn.Linear(d, hidden)
+        self.activation = ACTIVATIONS[activation]()
+        self.dropout = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))  # (B, T, d) -> (B, T, hidden) -> (B, T, d)
+
+
+class EncoderBlock(nn.Module):
+    """Self-attention then a feed-forward network, each inside a residual connection with LayerNorm.
+
+    ``forward(x (B, T, d), mask=None, key_padding_mask=None, cache=None) -> (B, T, d)``. With a causal
+    ``mask`` (and a :class:`~attnbook.multihead.KVCache`) it is also the block of a decoder-only model.
+    Set ``record_weights = True`` to keep the last per-head attention weights in ``self.weights``.
+    """
+
+    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, activation="relu", norm="post",
+                 layer_norm_eps=1e-5, attention_class=MultiHeadAttention):
+        super().__init__()
+        _check_choices(norm, activation)
+        self.norm_position = norm
+        self.self_attention = attention_class(d_model, num_heads, dropout=dropout)
+        self.feed_forward = FeedForward(d_model, hidden, activation, dropout)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.record_weights = False
+        self.weights = None
+
+    def _attend(self, x, mask, key_padding_mask, cache):
+        out, weights = self.self_attention(x, x, x, mask, key_padding_mask=key_padding_mask,
+                                           need_weights=self.record_weights, cache=cache)
+        self.weights = weights
+        return self.dropout1(out)
+
+    def forward(self, x, mask=None, *, key_padding_mask=None, cache=None):
+        if self.norm_position == "post":
+            x = self.norm1(x + self._attend(x, mask, key_padding_mask, cache))  # add & norm
+            return self.norm2(x + self.dropout2(self.feed_forward(x)))
+        x = x + self._attend(self.norm1(x), mask, key_padding_mask, cache)
+        return x + self.dropout2(self.feed_forward(self.norm2(x)))
+
+    @torch.no_grad()
+    def load_from_torch(self, reference: nn.TransformerEncoderLayer) -> EncoderBlock:
+        """Copy the weights of an ``nn.TransformerEncoderLayer`` of the same sizes."""
+        self.self_attention.load_from_torch(reference.self_attn)
+        _copy_feed_forward(self.feed_forward, reference)
+        self.norm1.load_state_dict(reference.norm1.state_dict())
+        self.norm2.load_state_dict(reference.norm2.state_dict())
+        return self
+
+
+class DecoderBlock(nn.Module):
+    """Masked self-attention, cross-attention to the encoder's outputs, then a feed-forward network.
+
+    ``forward(x (B, T, d), memory (B, S, d), mask=None, memory_mask=None, memory_key_padding_mask=None,
+    self_cache=None, cross_cache=None) -> (B, T, d)``. ``mask`` is the self-attention mask (causal in a
+    decoder); the cross-attention queries come from ``x``, its keys and values from ``memory``.
+    """
+
+    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, activation="relu", norm="post",
+                 layer_norm_eps=1e-5):
+        super().__init__()
+        _check_choices(norm, activation)
+        self.norm_position = norm
+        self.self_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout)
+        self.cross_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout)
+        self.feed_forward = FeedForward(d_model, hidden, activation, dropout)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout1, self.dropout2, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout), nn.Dropout(dropout)
+        self.record_weights = False
+        self.self_weights = self.cross_weights = None
+
+    def _self(self, x, mask, cache):
+        out, self.self_weights = self.self_attention(x, x, x, mask, need_weights=self.record_weights, cache=cache)
+        return self.dropout1(out)
+
+    def _cross(self, x, memory, memory_mask, memory_key_padding_mask, cache):
+        out, self.cross_weights = self.cross_attention(
+            x, memory, memory, memory_mask, key_padding_mask=memory_key_padding_mask,
+            need_weights=self.record_weights, cache=cache,
+        )
+        return self.dropout2(out)
+
+    def forward(self, x, memory, mask=None, memory_mask=None, *, memory_key_padding_mask=None,
+                self_cache=None, cross_cache=None):
+        if x.shape[0] != memory.shape[0] or x.shape[-1] != memory.shape[-1]:
+            raise ValueError(f"x {tuple(x.shape)} and memory {tuple(memory.shape)} must share batch size and d_model")
+        if self.norm_position == "post":
+            x = self.norm1(x + self._self(x, mask, self_cache))
+            x = self.norm2(x + self._cross(x, memory, memory_mask, memory_key_padding_mask, cross_cache))
+            return self.norm3(x + self.dropout3(self.feed_forward(x)))
+        x = x + self._self(self.norm1(x), mask, self_cache)
+        x = x + self._cross(self.norm2(x), memory, memory_mask, memory_key_padding_mask, cross_cache)
+        return x + self.dropout3(self.feed_forward(self.norm3(x)))
+
+    @torch.no_grad()
+    def load_from_torch(self, reference: nn.TransformerDecoderLayer) -> DecoderBlock:
+        """Copy the weights of an ``nn.TransformerDecoderLayer`` of the same sizes."""
+        self.self_attention.load_from_torch(reference.self_attn)
+        self.cross_attention.load_from_torch(reference.multihead_attn)
+        _copy_feed_forward(self.feed_forward, reference)
+        for ours, theirs in ((self.norm1, reference.norm1), (self.norm2, reference.norm2), (self.norm3, reference.norm3)):
+            ours.load_state_dict(theirs.state_dict())
+        return self
+
+
+def _copy_feed_forward(ours: FeedForward, reference: nn.Module) -> None:
+    ours.fc1.load_state_dict(reference.linear1.state_dict())
+    ours.fc2.load_state_dict(reference.linear2.state_dict())

@@ -1,0 +1,201 @@
+"""Multi-head attention, the head split and merge, and a per-layer KV cache.
+
+Shapes: inputs batch-first ``(B, T, d_model)``; per-head tensors ``(B, h, T, d_model / h)``;
+per-head weights ``(B, h, Tq, Tk)``.
+
+Masks (``True`` = blocked, float = added) may be ``(Tq, Tk)``, ``(B, Tq, Tk)`` (the same for
+every head) or ``(B, h, Tq, Tk)``; ``key_padding_mask`` is ``(B, Tk)``, ``True`` at padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import scaled_dot_product_attention
+from .positions import apply_rope
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, T, d)`` -> ``(B, h, T, d/h)``: each token's vector is cut into ``h`` slices."""
+    B, T, d = x.shape
+    return x.view(B, T, num_heads, d // num_heads).transpose(1, 2)  # (B, h, T, d/h)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(B, h, T, d/h)`` -> ``(B, T, d)``: the inverse of :func:`split_heads` (concatenate the heads)."""
+    B, h, T, head_dim = x.shape
+    return x.transpose(1, 2).reshape(B, T, h * head_dim)  # (B, T, d)
+
+
+class KVCache:
+    """Keys and values of earlier tokens for one attention layer, in preallocated tensors.
+
+    ``keys`` and ``values`` are ``(B, h, max_len, head_dim)``; ``length`` tokens are filled.
+    :meth:`append` writes new keys/values in place (no concatenation, no reallocation).
+    A ``static`` cache (cross-attention) is filled once and then reused as it is.
+    """
+
+    def __init__(self, batch_size, num_heads, max_len, head_dim, *, device=None, dtype=torch.float32, static=False):
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        shape = (batch_size, num_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+        self.static = static
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k, v (B, h, t, head_dim)`` after the filled part; return all filled keys and values."""
+        t = k.shape[2]
+        if self.length + t > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; cannot add {t} to the {self.length} stored")
+        self.keys[:, :, self.length : self.length + t] = k
+        self.values[:, :, self.length : self.length + t] = v
+        self.length += t
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated keys and values."""
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+def attention_mask_for_heads(mask, key_padding_mask, batch_size: int):
+    """Turn a ``(Tq, Tk)``, ``(B, Tq, Tk)`` or ``(B, h, Tq, Tk)`` mask plus a ``(B, Tk)`` key padding mask
+    into one mask that broadcasts to per-head scores ``(B, h, Tq, Tk)``."""
+    if mask is not None and mask.dim() == 3:
+        if mask.shape[0] not in (1, batch_size):
+            raise ValueError(f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got {tuple(mask.shape)}")
+        mask = mask.unsqueeze(1)  # (B, 1, Tq, Tk): the same for every head
+    if key_padding_mask is None:
+        return mask
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"key_padding_mask must be a bool (B={batch_size}, Tk) tensor, True at padding; "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
+    padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
+    if mask is None:
+        return padding
+    if mask.dtype == torch.bool:
+        return mask | padding
+    return mask.masked_fill(padding, float("-inf"))
+
+
+class MultiHeadAttention(nn.Module):
+    """``h`` heads of scaled dot-product attention on ``d_model / h`` slices, concatenated and mixed by ``W_o``.
+
+    Four ``nn.Linear`` layers ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: ``4 (d^2 + d)``
+    parameters (with bias) whatever ``num_heads`` is.
+
+    ``forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask=None)`` returns
+    ``(out (B, Tq, d), weights (B, h, Tq, Tk))``. With ``need_weights=False`` the fused kernel runs
+    and ``weights`` is ``None``. With a :class:`KVCache`, only the new tokens' keys and values are
+    computed and appended (or, for a filled static cache, none at all).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(d_model, int) or not isinstance(num_heads, int) or d_model < 1 or num_heads < 1:
+            raise ValueError(f"d_model and num_heads must be positive ints, got d_model={d_model!r}, num_heads={num_heads!r}")
+        if d_model % num_heads != 0:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def _check_inputs(self, query, key, value):
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.dim() != 3 or x.shape[-1] != self.d_model:
+                raise ValueError(f"{name} must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError(
+                f"query, key and value must share the batch size, got {query.shape[0]}, {key.shape[0]}, {value.shape[0]}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}")
+
+    def project_queries_keys(self, q: torch.Tensor, k: torch.Tensor, start: int):
+        """Hook for position schemes that act on per-head queries and keys (RoPE); identity here."""
+        return q, k
+
+    def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True, cache=None):
+        self._check_inputs(query, key, value)
+        B = query.shape[0]
+        start = cache.length if cache is not None and not cache.static else 0
+        q = split_heads(self.q_proj(query), self.num_heads)  # (B, h, Tq, d/h)
+        if cache is not None and cache.static and cache.length > 0:
+            k, v = cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]  # computed once
+        else:
+            k = split_heads(self.k_proj(key), self.num_heads)  # (B, h, Tk, d/h)
+            v = split_heads(self.v_proj(value), self.num_heads)  # (B, h, Tk, d/h)
+            q, k = self.project_queries_keys(q, k, start)
+            if cache is not None:
+                k, v = cache.append(k, v)  # all keys/values so far: (B, h, start + Tk, d/h)
+        mask = attention_mask_for_heads(mask, key_padding_mask, B)
+        if self.training and self.dropout > 0:
+            out, weights = scaled_dot_product_attention(q, k, v, mask)
+            out = torch.nn.functional.dropout(weights, self.dropout) @ v
+        else:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+        return self.out_proj(merge_heads(out)), weights  # (B, Tq, d), (B, h, Tq, Tk) or None
+
+    @torch.no_grad()
+    def load_from_torch(self, reference: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Copy the weights of an ``nn.MultiheadAttention`` of the same size into this module."""
+        if reference.embed_dim != self.d_model or reference.num_heads != self.num_heads:
+            raise ValueError(
+                f"reference has embed_dim={reference.embed_dim}, num_heads={reference.num_heads}; "
+                f"this module has d_model={self.d_model}, num_heads={self.num_heads}"
+            )
+        if not reference._qkv_same_embed_dim:
+            raise ValueError("reference must have kdim == vdim == embed_dim")
+        for proj, w in zip((self.q_proj, self.k_proj, self.v_proj), reference.in_proj_weight.chunk(3), strict=True):
+            proj.weight.copy_(w)
+        if reference.in_proj_bias is not None and self.q_proj.bias is not None:
+            for proj, b in zip((self.q_proj, self.k_proj, self.v_proj), reference.in_proj_bias.chunk(3), strict=True):
+                proj.bias.copy_(b)
+        self.out_proj.load_state_dict(reference.out_proj.state_dict())
+        return self
+
+
+class WideMultiHeadAttention(nn.Module):
+    """The "wide" variant: every head gets the full width ``d_model``, so parameters grow with ``h``.
+
+    ``q/k/v_proj``: ``d -> h d``, ``out_proj``: ``h d -> d``; ``4 h d^2 + 3 h d + d`` parameters.
+    Same ``forward`` as :class:`MultiHeadAttention` (without cache).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, bias: bool = True):
+        super().__init__()
+        self.d_model, self.num_heads = d_model, num_heads
+        self.q_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
+        self.out_proj = nn.Linear(num_heads * d_model, d_model, bias=bias)
+
+    def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True):
+        h = self.num_heads
+        q = split_heads(self.q_proj(query), h)  # (B, h, Tq, d)
+        k = split_heads(self.k_proj(key), h)  # (B, h, Tk, d)
+        v = split_heads(self.v_proj(value), h)  # (B, h, Tk, d)
+        mask = attention_mask_for_heads(mask, key_padding_mask, query.shape[0])
+        out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+        return self.out_proj(merge_heads(out)), weights
+
+
+class RotaryMultiHeadAttention(MultiHeadAttention):
+    """:class:`MultiHeadAttention` with rotary position embedding (RoPE) applied to each head's
+    queries and keys, so the scores depend on relative position only. Same arguments and shapes."""
+
+    def project_queries_keys(self, q, k, start):
+        if q.shape[2] != k.shape[2]:
+            raise ValueError("RotaryMultiHeadAttention is for self-attention (queries and keys from one sequence)")
+        return apply_rope(q, start), apply_rope(k, start)

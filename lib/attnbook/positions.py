@@ -1,0 +1,133 @@
+"""Position information: the sinusoidal encoding, a learned table, 2D interpolation of a grid, and RoPE.
+
+Attention alone is permutation-equivariant (a bag of tokens); these give each token its position.
+Shapes: token embeddings ``(B, T, d)``; position tables ``(T, d)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _check_size(name: str, value, *, even: bool = False) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if even and value % 2:
+        raise ValueError(f"{name} must be even (sin/cos pairs), got {value}")
+
+
+def sinusoidal_encoding(n: int, d: int, base: float = 10000.0) -> torch.Tensor:
+    """``(n, d)`` table with ``PE[p, 2i] = sin(p / base^(2i/d))`` and ``PE[p, 2i+1] = cos(p / base^(2i/d))``."""
+    _check_size("n", n)
+    _check_size("d", d, even=True)
+    position = torch.arange(n, dtype=torch.float64)[:, None]  # (n, 1)
+    frequency = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,) = 1 / base^(2i/d)
+    table = torch.empty(n, d, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * frequency)
+    table[:, 1::2] = torch.cos(position * frequency)
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Adds the sinusoidal encoding to ``x (B, T, d)``; defined for every position, no parameters."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        _check_size("d_model", d_model, even=True)
+        self.d_model = d_model
+        self.register_buffer("table", sinusoidal_encoding(1, d_model), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        end = start + x.shape[1]
+        if end > self.table.shape[0]:  # grow the table: the formula covers any position
+            self.table = sinusoidal_encoding(max(end, 2 * self.table.shape[0]), self.d_model).to(x.device)
+        return x + self.table[start:end].to(x.dtype)
+
+
+class LearnedPositions(nn.Module):
+    """A learned table with one row per position ``0 .. max_len - 1``, added to ``x (B, T, d)``.
+
+    It has no row for a position beyond ``max_len``: use :meth:`extend` (new rows, to be trained)
+    or :func:`interpolate_grid` (for a 2D grid of patches) to serve longer inputs.
+    """
+
+    def __init__(self, max_len: int, d_model: int):
+        super().__init__()
+        _check_size("max_len", max_len)
+        _check_size("d_model", d_model)
+        self.table = nn.Parameter(torch.randn(max_len, d_model) * 0.02)
+
+    @property
+    def max_len(self) -> int:
+        return self.table.shape[0]
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        end = start + x.shape[1]
+        if end > self.max_len:
+            raise ValueError(
+                f"positions up to {end - 1} requested but the learned table has rows only for 0..{self.max_len - 1}; "
+                "extend the table (LearnedPositions.extend) or interpolate it (interpolate_grid)"
+            )
+        return x + self.table[start:end].to(x.dtype)
+
+    @torch.no_grad()
+    def extend(self, new_max_len: int) -> None:
+        """Add rows up to ``new_max_len`` (initialised like the table; they must be trained)."""
+        if new_max_len <= self.max_len:
+            raise ValueError(f"new_max_len={new_max_len} must exceed the current {self.max_len}")
+        extra = torch.randn(new_max_len - self.max_len, self.table.shape[1], device=self.table.device) * 0.02
+        self.table = nn.Parameter(torch.cat([self.table.data, extra.to(self.table.dtype)]))
+
+
+def interpolate_grid(table: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]) -> torch.Tensor:
+    """Resize a learned position table of a 2D patch grid, ``(h*w, d)`` -> ``(H*W, d)``, bicubically.
+
+    Row ``r * w + c`` holds the position of the patch in row ``r``, column ``c`` (as ViT lays patches
+    out). Used to fine-tune a ViT at a higher resolution.
+    """
+    h, w = old_grid
+    H, W = new_grid
+    if table.dim() != 2 or table.shape[0] != h * w:
+        raise ValueError(f"table must be (h*w, d) = ({h * w}, d) for grid {old_grid}, got {tuple(table.shape)}")
+    if H < 1 or W < 1:
+        raise ValueError(f"new_grid must be positive, got {new_grid}")
+    d = table.shape[1]
+    grid = table.T.reshape(1, d, h, w)  # (1, d, h, w): the features as image channels
+    resized = F.interpolate(grid, size=(H, W), mode="bicubic", align_corners=False)  # (1, d, H, W)
+    return resized.reshape(d, H * W).T  # (H*W, d)
+
+
+def rope_angles(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Rotation angles ``positions[:, None] * theta_i`` with ``theta_i = base^(-2i/dim)``: ``(T, dim/2)``."""
+    _check_size("dim", dim, even=True)
+    theta = base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    return positions.float()[:, None] * theta  # (T, dim/2)
+
+
+def apply_rope(x: torch.Tensor, start: int = 0, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding: rotate each pair ``(x[2i], x[2i+1])`` of ``x (..., T, dim)`` by
+    ``p * theta_i`` for the token at position ``p = start + t``.
+
+    Applied to queries and keys, it makes ``q_p . k_r`` depend on ``p - r`` only.
+    """
+    T, dim = x.shape[-2], x.shape[-1]
+    angles = rope_angles(torch.arange(start, start + T, device=x.device), dim, base)  # (T, dim/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]  # (..., T, dim/2) each
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)  # (..., T, dim/2, 2)
+    return rotated.flatten(-2)  # (..., T, dim)
+
+
+def sinusoidal_shift_matrix(k: int, d: int, base: float = 10000.0) -> torch.Tensor:
+    """The fixed ``(d, d)`` block-rotation ``M_k`` with ``PE[p + k] = PE[p] @ M_k.T`` for every ``p``."""
+    _check_size("d", d, even=True)
+    M = torch.zeros(d, d, dtype=torch.float64)
+    for i in range(d // 2):
+        angle = k * base ** (-2 * i / d)
+        c, s = math.cos(angle), math.sin(angle)
+        M[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor([[c, s], [-s, c]], dtype=torch.float64)
+    return M.float()
