@@ -140,8 +140,8 @@ class DecoderBlock(nn.Module):
         self.self_attention.load_from_torch(reference.self_attn)
         self.cross_attention.load_from_torch(reference.multihead_attn)
         _copy_feed_forward(self.feed_forward, reference)
-        for ours, theirs in ((self.norm1, reference.norm1), (self.norm2, reference.norm2), (self.norm3, reference.norm3)):
-            ours.load_state_dict(theirs.state_dict())
+        for i in (1, 2, 3):
+            getattr(self, f"norm{i}").load_state_dict(getattr(reference, f"norm{i}").state_dict())
         return self
 
 

@@ -101,7 +101,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
         if not isinstance(d_model, int) or not isinstance(num_heads, int) or d_model < 1 or num_heads < 1:
-            raise ValueError(f"d_model and num_heads must be positive ints, got d_model={d_model!r}, num_heads={num_heads!r}")
+            raise ValueError(f"d_model and num_heads must be positive ints, got {d_model!r} and {num_heads!r}")
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
@@ -117,7 +117,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"{name} must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
             raise ValueError(
-                f"query, key and value must share the batch size, got {query.shape[0]}, {key.shape[0]}, {value.shape[0]}"
+                f"query, key, value must share the batch size, got {query.shape[0]}, {key.shape[0]}, {value.shape[0]}"
             )
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}")
