@@ -11,7 +11,9 @@ from .attention import (
     scaled_dot_product_attention,
 )
 from .blocks import DecoderBlock, EncoderBlock, FeedForward
+from .generation import generate, next_token
 from .masks import causal_mask, combine_masks, padding_mask
+from .models import GPT, EncoderDecoderModel, EncoderOnlyModel
 from .multihead import (
     KVCache,
     MultiHeadAttention,
@@ -32,8 +34,13 @@ from .utils import device, on_gpu, progress, seed_everything, show_source
 __all__ = [
     "AdditiveAttention",
     "DecoderBlock",
+    "EncoderDecoderModel",
+    "EncoderOnlyModel",
+    "GPT",
     "EncoderBlock",
     "FeedForward",
+    "generate",
+    "next_token",
     "KVCache",
     "LearnedPositions",
     "MultiHeadAttention",

@@ -115,7 +115,9 @@ class EncoderOnlyModel(nn.Module):
         if self.classifier is None:
             raise ValueError("this model was built without num_classes; pass num_classes=... to classify")
         hidden = self(idx, key_padding_mask)  # (B, T, d)
-        keep = torch.ones_like(idx, dtype=hidden.dtype) if key_padding_mask is None else (~key_padding_mask).to(hidden.dtype)
+        if key_padding_mask is None:
+            key_padding_mask = torch.zeros_like(idx, dtype=torch.bool)
+        keep = (~key_padding_mask).to(hidden.dtype)  # (B, T): 1 for real tokens
         pooled = (hidden * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1)  # (B, d)
         return self.classifier(pooled)  # (B, num_classes)
 

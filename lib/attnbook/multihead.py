@@ -18,6 +18,8 @@ from .positions import apply_rope
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``(B, T, d)`` -> ``(B, h, T, d/h)``: each token's vector is cut into ``h`` slices."""
+    if x.dim() != 3 or x.shape[-1] % num_heads != 0:
+        raise ValueError(f"split_heads needs (B, T, d) with d divisible by num_heads={num_heads}, got {tuple(x.shape)}")
     B, T, d = x.shape
     return x.view(B, T, num_heads, d // num_heads).transpose(1, 2)  # (B, h, T, d/h)
 
@@ -51,6 +53,12 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Store ``k, v (B, h, t, head_dim)`` after the filled part; return all filled keys and values."""
+        B, h, _, head_dim = self.keys.shape
+        if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (B, h, head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"KV cache expects keys and values (B={B}, h={h}, t, head_dim={head_dim}), "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         t = k.shape[2]
         if self.length + t > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; cannot add {t} to the {self.length} stored")
@@ -157,6 +165,9 @@ class MultiHeadAttention(nn.Module):
             )
         if not reference._qkv_same_embed_dim:
             raise ValueError("reference must have kdim == vdim == embed_dim")
+        if (reference.in_proj_bias is None) != (self.q_proj.bias is None):
+            has_bias = reference.in_proj_bias is not None
+            raise ValueError(f"reference has bias={has_bias}; this module has bias={not has_bias}")
         for proj, w in zip((self.q_proj, self.k_proj, self.v_proj), reference.in_proj_weight.chunk(3), strict=True):
             proj.weight.copy_(w)
         if reference.in_proj_bias is not None and self.q_proj.bias is not None:
@@ -175,13 +186,18 @@ class WideMultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, bias: bool = True):
         super().__init__()
+        if not isinstance(d_model, int) or not isinstance(num_heads, int) or d_model < 1 or num_heads < 1:
+            raise ValueError(f"d_model and num_heads must be positive ints, got {d_model!r} and {num_heads!r}")
         self.d_model, self.num_heads = d_model, num_heads
         self.q_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
         self.out_proj = nn.Linear(num_heads * d_model, d_model, bias=bias)
 
+    _check_inputs = MultiHeadAttention._check_inputs
+
     def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True):
+        self._check_inputs(query, key, value)
         h = self.num_heads
         q = split_heads(self.q_proj(query), h)  # (B, h, Tq, d)
         k = split_heads(self.k_proj(key), h)  # (B, h, Tk, d)

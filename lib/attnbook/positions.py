@@ -32,6 +32,13 @@ def sinusoidal_encoding(n: int, d: int, base: float = 10000.0) -> torch.Tensor:
     return table.float()
 
 
+def _check_positions_input(x: torch.Tensor, start, d_model: int) -> None:
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
+    if start < 0:
+        raise ValueError(f"start must be a non-negative position, got {start!r}")
+
+
 class SinusoidalPositions(nn.Module):
     """Adds the sinusoidal encoding to ``x (B, T, d)``; defined for every position, no parameters."""
 
@@ -42,6 +49,7 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer("table", sinusoidal_encoding(1, d_model), persistent=False)
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        _check_positions_input(x, start, self.d_model)
         end = start + x.shape[1]
         if end > self.table.shape[0]:  # grow the table: the formula covers any position
             self.table = sinusoidal_encoding(max(end, 2 * self.table.shape[0]), self.d_model).to(x.device)
@@ -66,6 +74,7 @@ class LearnedPositions(nn.Module):
         return self.table.shape[0]
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        _check_positions_input(x, start, self.table.shape[1])
         end = start + x.shape[1]
         if end > self.max_len:
             raise ValueError(
