@@ -19,6 +19,22 @@ from torch import nn
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def _broadcast(*shapes) -> tuple[int, ...] | None:
+    """The broadcast of ``shapes`` (NumPy rules), or ``None`` if they do not broadcast.
+
+    A plain-Python version of ``torch.broadcast_shapes``, which is slow enough to show in the
+    per-token cost of cached generation."""
+    result: list[int] = []
+    length = max(len(s) for s in shapes)
+    padded = [(1,) * (length - len(s)) + tuple(s) for s in shapes]
+    for dims in zip(*padded, strict=True):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -35,12 +51,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"k and v must have the same number of tokens Tk, got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
-    try:
-        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
-        raise ValueError(
-            f"batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not broadcast"
-        ) from None
+    if _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2]) is None:
+        raise ValueError(f"batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not broadcast")
 
 
 def check_mask(mask: torch.Tensor, scores_shape: tuple[int, ...]) -> None:
@@ -52,18 +64,14 @@ def check_mask(mask: torch.Tensor, scores_shape: tuple[int, ...]) -> None:
             f"mask must be bool (True = blocked) or float (added to the scores), got dtype {mask.dtype}"
         )
     scores_shape = tuple(scores_shape)
-    try:
-        broadcast = torch.broadcast_shapes(mask.shape, scores_shape)
-    except RuntimeError:
-        broadcast = None
-    if broadcast != scores_shape:
+    if _broadcast(mask.shape, scores_shape) != scores_shape:
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {scores_shape} (..., Tq, Tk)"
         )
 
 
 def _scores_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
-    return (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
+    return (*_broadcast(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

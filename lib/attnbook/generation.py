@@ -20,7 +20,7 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, generator=None) -
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, generator=None,
              source=None, source_padding_mask=None):
     """Continue ``prompt (B, T0)`` (or ``(T0,)``) by ``max_new_tokens`` tokens; returns ``(B, T0 + new)``.
