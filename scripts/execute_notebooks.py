@@ -49,7 +49,8 @@ def tidy_streams(nb) -> None:
 def execute(path: Path) -> float:
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    resources = {"metadata": {"path": str(path.parent)}}  # run with book/ as the working directory
+    client = NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False, resources=resources)
     client.execute()
     elapsed = time.perf_counter() - start
     tidy_streams(nb)

@@ -1,0 +1,101 @@
+# Attention & Transformers: build, test and run the book.
+#
+#   make book      build the HTML book into _build/html (from the committed, executed notebooks)
+#   make test      everything CI checks: ruff, unit tests, nbval on every notebook, the book
+#                  build with warnings as errors, and the browser test of the built site
+#   make lab       JupyterLab on book/
+#   make execute   re-execute every notebook in place (NB=book/01_attention.ipynb for one)
+#   make lint      ruff only
+#   make clean     remove the build and caches (keeps .venv)
+#
+# Every target creates .venv (python3 -m venv) and installs requirements.txt first; nothing
+# needs to be activated: the tools are called as .venv/bin/...
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# The notebooks `make execute` runs: NB=book/01_attention.ipynb for one; empty means every
+# book/NN_*.ipynb.
+NB ?=
+
+# Kernels started by nbval and by `make execute` are the venv's Python: the kernel spec
+# "python3" found first is .venv/share/jupyter/kernels/python3 (JUPYTER_PREFER_ENV_PATH puts the
+# venv's data directory before the user's), and its command `python` is replaced by jupyter_client
+# with the Python that launches it, .venv/bin/python. nbval's --nbval-current-env uses
+# .venv/bin/python directly.
+export JUPYTER_PREFER_ENV_PATH := 1
+# Python hash randomisation off, so a re-run prints the same sets and dict orders.
+export PYTHONHASHSEED := 0
+# A kernel picks the inline matplotlib backend only when MPLBACKEND is unset (a CI machine may
+# set it to Agg, which would drop every figure from the notebooks).
+unexport MPLBACKEND
+
+# --all: rebuild every page, so that warnings of unchanged pages are reported again.
+JB_BUILD := $(BIN)/jupyter-book build --all --warningiserror --nitpick --keep-going .
+
+.PHONY: help venv book test unit nbval site lab execute lint clean
+
+help:
+	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
+
+# --- environment -----------------------------------------------------------------------------
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -r requirements.txt
+	touch $@
+
+# --- the book --------------------------------------------------------------------------------
+
+book: $(STAMP)
+	$(JB_BUILD)
+	@echo "The book: $(CURDIR)/_build/html/index.html"
+
+# --- tests -----------------------------------------------------------------------------------
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory nbval
+	$(JB_BUILD)
+	$(MAKE) --no-print-directory site
+
+unit: $(STAMP)
+	$(BIN)/pytest tests -q --ignore=tests/test_site.py
+
+nbval: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+		--ignore=_build --ignore-glob='*.ipynb_checkpoints*' book/
+
+# The browser test of the built site (needs _build/html and Debian's chromium).
+site: $(STAMP)
+	$(BIN)/pytest tests/test_site.py -q
+
+# --- running the notebooks -------------------------------------------------------------------
+
+lab: $(STAMP)
+	$(BIN)/python -c "import jupyterlab" 2>/dev/null || $(BIN)/python -m pip install jupyterlab
+	$(BIN)/jupyter-lab --notebook-dir=book
+
+# Execute each notebook top to bottom in a fresh kernel (cwd book/); a notebook is replaced only
+# when its whole run succeeded (scripts/execute_notebooks.py prints each one's wall time).
+execute: $(STAMP)
+	$(BIN)/python scripts/execute_notebooks.py $(NB)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf _build .pytest_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -print0 \
+		| xargs -0 rm -rf
