@@ -1,0 +1,290 @@
+"""Cost formulas against hand-computed values and against FLOPs / bytes counted on real modules;
+timing and peak-memory helpers; what tests/test_attention.py leaves out of memory-efficient attention."""
+
+import pytest
+import torch
+from attnbook import (
+    GPT,
+    FeedForward,
+    MultiHeadAttention,
+    cost,
+    memory_efficient_attention,
+    scaled_dot_product_attention,
+)
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def counted_flops(fn) -> int:
+    """FLOPs PyTorch's own counter sees (matrix products only, 2 per multiply-add)."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+# --------------------------------------------------------------------------- FLOP formulas
+
+
+def test_flop_formulas_by_hand():
+    n, d = 10, 4
+    assert cost.attention_projection_flops(n, d) == 4 * 2 * 10 * 4 * 4 == 1280
+    assert cost.attention_score_flops(n, d) == 2 * 10 * 10 * 4 == 800
+    assert cost.attention_weighted_sum_flops(n, d) == 800
+    assert cost.attention_score_flops(n, d, n_keys=3) == 2 * 10 * 3 * 4
+    assert cost.attention_core_flops(n, d) == 1600
+    assert cost.attention_layer_flops(n, d) == 1280 + 1600
+    assert cost.ffn_flops(n, d) == 2 * 2 * 10 * 4 * 16 == 2560 == 16 * n * d * d
+    assert cost.ffn_flops(n, d, hidden=8) == 2 * 2 * 10 * 4 * 8
+    assert cost.recurrent_flops(n, d) == 10 * (2 * 4 * 4 + 2 * 4 * 4) == 640 == 4 * n * d * d
+    assert cost.recurrent_flops(n, d, input_size=3) == 10 * (2 * 4 * 3 + 2 * 4 * 4)
+    assert cost.recurrent_flops(n, d, gates=4) == 4 * 640  # LSTM
+
+
+def test_attention_layer_flops_equal_counted_flops():
+    """The formula is exactly what PyTorch counts for our MultiHeadAttention, for any number of heads."""
+    B, n, d = 2, 12, 16
+    x = torch.randn(B, n, d)
+    for heads in (1, 2, 4):
+        layer = MultiHeadAttention(d, heads).eval()
+        with torch.no_grad():
+            flops = counted_flops(lambda layer=layer: layer(x, x, x))
+        assert flops == B * cost.attention_layer_flops(n, d)
+
+
+def test_ffn_and_recurrent_flops_equal_counted_flops():
+    B, n, d = 3, 7, 8
+    x = torch.randn(B, n, d)
+    with torch.no_grad():
+        assert counted_flops(lambda: FeedForward(d)(x)) == B * cost.ffn_flops(n, d)
+        assert counted_flops(lambda: FeedForward(d, hidden=5)(x)) == B * cost.ffn_flops(n, d, hidden=5)
+        cell = nn.RNNCell(d, d)  # h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)
+        h = torch.zeros(B, d)
+
+        def run():
+            state = h
+            for t in range(n):
+                state = cell(x[:, t], state)
+
+        assert counted_flops(run) == B * cost.recurrent_flops(n, d)
+
+
+def test_crossover_where_attention_and_recurrence_cost_the_same():
+    for d in (16, 64, 512):
+        n = cost.crossover_length(d)
+        assert n == d
+        assert cost.attention_core_flops(n, d) == cost.recurrent_flops(n, d)
+        assert cost.attention_core_flops(n // 2, d) < cost.recurrent_flops(n // 2, d)
+        assert cost.attention_core_flops(2 * n, d) > cost.recurrent_flops(2 * n, d)
+
+
+def test_sequential_steps_and_path_length():
+    assert cost.sequential_steps("self-attention", 1000) == 1
+    assert cost.sequential_steps("recurrent", 1000) == 1000
+    assert cost.max_path_length("self-attention", 1000) == 1
+    assert cost.max_path_length("recurrent", 1000) == 999
+    with pytest.raises(ValueError, match="kind must be one of.*'convolution'"):
+        cost.sequential_steps("convolution", 10)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        cost.max_path_length("rnn", 10)
+
+
+def test_vit_doubling_the_image_side():
+    assert cost.num_patches(224, 16) == 196
+    assert cost.num_patches(448, 16) == 784
+    assert cost.num_patches((224, 448), 16) == 392
+    ratio = cost.attention_score_flops(784, 768) / cost.attention_score_flops(196, 768)
+    assert ratio == 16.0
+    with pytest.raises(ValueError, match="not a multiple of patch_size=16"):
+        cost.num_patches(225, 16)
+
+
+# --------------------------------------------------------------------------- memory formulas
+
+
+def test_attention_weights_bytes_equal_the_tensor():
+    B, h, n = 2, 3, 17
+    q = torch.randn(B, h, n, 8)
+    _, weights = scaled_dot_product_attention(q, q, q)
+    assert weights.nbytes == cost.attention_weights_bytes(n, h, 4, batch_size=B) == 2 * 3 * 17 * 17 * 4
+    assert cost.attention_weights_bytes(n, h, 2, n_keys=5) == 3 * 17 * 5 * 2
+    _, half = scaled_dot_product_attention(q.half(), q.half(), q.half())
+    assert half.nbytes == cost.attention_weights_bytes(n, h, 2, batch_size=B)
+
+
+@pytest.mark.parametrize("dtype, size", [(torch.float32, 4), (torch.float16, 2)])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_kv_cache_formula_equals_the_caches_of_gpt(dtype, size, batch_size):
+    """A cache of T tokens holds 2 * layers * T * d * bytes per sequence."""
+    layers, d, heads, max_len = 3, 32, 4, 40
+    torch.manual_seed(0)
+    model = GPT(vocab_size=11, d_model=d, num_heads=heads, num_layers=layers, max_len=max_len).eval()
+    caches = model.make_caches(batch_size, dtype=dtype)
+    assert len(caches) == layers
+    # preallocated for max_len tokens
+    assert sum(cache.nbytes() for cache in caches) == cost.kv_cache_bytes(layers, max_len, d, size,
+                                                                         batch_size=batch_size)
+    # after the model has run on T tokens, the filled part holds one key and one value of width d per token
+    T = 9
+    with torch.no_grad():
+        model.to(dtype)(torch.randint(0, 11, (batch_size, T)), caches)
+    filled = 0
+    for cache in caches:
+        assert cache.length == T
+        keys, values = cache.keys[:, :, :T], cache.values[:, :, :T]  # (B, h, T, d/h)
+        assert keys.shape == (batch_size, heads, T, d // heads)
+        filled += keys.numel() * keys.element_size() + values.numel() * values.element_size()
+    assert filled == cost.kv_cache_bytes(layers, T, d, size, batch_size=batch_size)
+    assert filled == batch_size * 2 * layers * T * d * size
+
+
+def test_kv_cache_bytes_by_hand():
+    # GPT-2 small: 12 layers, d = 768, 1024 tokens, fp16 -> 36 MiB per sequence
+    assert cost.kv_cache_bytes(12, 1024, 768, 2) == 2 * 12 * 1024 * 768 * 2 == 36 * 2**20
+    assert cost.kv_cache_bytes(12, 1024, 768, 2, batch_size=8) == 8 * 36 * 2**20
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: cost.attention_layer_flops(0, 4), "n must be a positive int, got 0"),
+        (lambda: cost.attention_score_flops(4, 2.5), "d must be a positive int, got 2.5"),
+        (lambda: cost.ffn_flops(4, 4, hidden=-1), "hidden must be a positive int, got -1"),
+        (lambda: cost.recurrent_flops(4, 4, gates=0), "gates must be a positive int"),
+        (lambda: cost.kv_cache_bytes(2, 0, 8), "seq_len must be a positive int, got 0"),
+        (lambda: cost.kv_cache_bytes(2, 4, 8, batch_size=True), "batch_size must be a positive int"),
+        (lambda: cost.attention_weights_bytes(4, num_heads=0), "num_heads must be a positive int"),
+        (lambda: cost.num_patches(224, 0), "patch_size must be a positive int"),
+    ],
+)
+def test_bad_sizes_raise_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --------------------------------------------------------------------------- timing helpers
+
+
+def test_fit_power_law_recovers_the_exponent():
+    xs = [16, 32, 64, 128]
+    assert cost.fit_power_law(xs, [3 * x**2.5 for x in xs]) == pytest.approx(2.5)
+    assert cost.fit_power_law(xs, [7.0] * 4) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="same length >= 2"):
+        cost.fit_power_law([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="positive"):
+        cost.fit_power_law([1, 2], [0, 1])
+    with pytest.raises(ValueError, match="not all be equal"):
+        cost.fit_power_law([2, 2], [1, 3])
+
+
+def test_measure_interleaves_and_returns_medians():
+    calls = []
+    a, b = (lambda: calls.append("A")), (lambda: calls.append("B"))
+    medians = cost.measure_interleaved([a, b], repeats=3, warmup=1)
+    assert calls == ["A", "B"] * 4  # warmup, then A, B, A, B, ...
+    assert len(medians) == 2 and all(m >= 0 for m in medians)
+    assert cost.measure(lambda: sum(range(1000)), repeats=3, warmup=0) > 0
+    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+        cost.measure(a, repeats=0)
+    with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1"):
+        cost.measure(a, warmup=-1)
+    fastest = cost.measure_interleaved([a, b], repeats=3, warmup=0, summary="min")
+    assert all(f >= 0 for f in fastest)
+    with cost.num_threads(1):
+        assert cost.measure(lambda: sum(range(1000)), repeats=2, clock="thread") >= 0
+    if torch.get_num_threads() > 1:
+        with pytest.raises(ValueError, match="clock='thread' counts only this thread"):
+            cost.measure(a, clock="thread")
+    with pytest.raises(ValueError, match="clock must be one of"):
+        cost.measure(a, clock="cpu")
+    with pytest.raises(ValueError, match="summary must be one of"):
+        cost.measure(a, summary="mean")
+    with pytest.raises(TypeError, match="sequence of callables"):
+        cost.measure_interleaved(a)
+
+
+def test_num_threads_restores_the_previous_setting():
+    before = torch.get_num_threads()
+    with cost.num_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        with cost.num_threads(0):
+            pass
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def test_peak_memory_counts_live_tensors_only():
+    def two_alive_at_most():
+        x = torch.ones(1000, 250)  # 1 MB
+        y = x * 2  # 2 MB alive
+        del x
+        z = y + 1  # 2 MB alive again: x was freed
+        return z.view(-1)[:10]  # a view costs nothing
+
+    assert cost.peak_memory(two_alive_at_most) == 2 * 1000 * 250 * 4
+    existing = torch.ones(1000, 1000)
+    assert cost.peak_memory(lambda: existing[:10].T.reshape(-1)) == 10 * 1000 * 4  # reshape of a transpose copies
+    assert cost.peak_memory(lambda: existing[:10].T[3:7].unsqueeze(0)) == 0  # views of a tensor made before
+    assert cost.peak_memory(lambda: existing.add_(1)) == 0  # in place
+    with pytest.raises(TypeError, match="fn must be callable"):
+        cost.peak_memory(42)
+
+
+def test_naive_attention_stores_the_weights_and_efficient_does_not():
+    n, d = 1024, 16
+    q, k, v = torch.randn(1, 1, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
+    weights_bytes = cost.attention_weights_bytes(n)
+    naive = cost.peak_memory(lambda: scaled_dot_product_attention(q, k, v))
+    efficient = cost.peak_memory(lambda: memory_efficient_attention(q, k, v, block_size=128))
+    assert naive >= weights_bytes  # at least one n x n matrix
+    assert efficient < 0.1 * weights_bytes  # blocks of 128 x 128 scores instead
+    bigger = cost.peak_memory(lambda: memory_efficient_attention(q, k, v, block_size=256))
+    assert efficient < bigger  # the extra memory grows with the block, not with n
+
+
+# ---------------------------------------- memory-efficient attention: what test_attention.py leaves out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_memory_efficient_attention_in_low_precision(dtype):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 8) for _ in range(3))
+    mask = torch.ones(37, 37, dtype=torch.bool).triu(1)
+    reference = memory_efficient_attention(q, k, v, mask, block_size=8)
+    out = memory_efficient_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, block_size=8)
+    assert out.dtype == dtype
+    tolerance = 1e-2 if dtype == torch.float16 else 4e-2
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+    naive, _ = scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    torch.testing.assert_close(out.float(), naive.float(), atol=tolerance, rtol=tolerance)
+    # scores of +-1e4 stay finite in low precision (computed in fp32 inside)
+    big = torch.full((1, 3, 4), 100.0, dtype=dtype)
+    big[0, 1] = -100.0
+    assert torch.isfinite(memory_efficient_attention(big, big, v[0, 0, :3, :].to(dtype)[None], block_size=2)).all()
+
+
+def test_memory_efficient_attention_broadcasts_batch_dims():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 1, 9, 4), torch.randn(1, 3, 11, 4), torch.randn(1, 1, 11, 5)
+    expected, _ = scaled_dot_product_attention(q, k, v)
+    out = memory_efficient_attention(q, k, v, block_size=4)
+    assert out.shape == (2, 3, 9, 5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the benchmark's pieces, small
+
+
+def test_benchmark_pieces_run_small():
+    from attnbook import bench
+
+    cpu = torch.device("cpu")
+    assert bench.attention_fast_vs_torch(cpu, repeats=1, batch=1, heads=2, n=16, head_dim=8) > 0
+    ratio, match = bench.mha_vs_torch(cpu, repeats=1, batch=1, n=8, d_model=16, heads=2)
+    assert ratio > 0 and match
+    speedup, identical = bench.kv_cache_speedup(new_tokens=3, repeats=1)
+    assert speedup > 0 and identical
+    memory_ratio, efficient, naive = bench.efficient_attention_peak_memory(cpu, n=2048, head_dim=8)
+    assert naive >= 2048 * 2048 * 4 and memory_ratio < 0.5

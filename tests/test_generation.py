@@ -1,0 +1,154 @@
+"""generate(): the KV cache changes the cost, never the tokens; bad inputs get clear errors."""
+
+import pytest
+import torch
+from attnbook import GPT, EncoderDecoderModel, EncoderOnlyModel, generate, next_token
+from attnbook.cost import kv_cache_bytes
+
+VOCAB, SRC_VOCAB = 17, 13
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return GPT(vocab_size=VOCAB, d_model=32, num_heads=4, num_layers=2, max_len=48).eval()
+
+
+@pytest.fixture(scope="module")
+def seq2seq():
+    torch.manual_seed(1)
+    return EncoderDecoderModel(SRC_VOCAB, VOCAB, d_model=32, num_heads=4, num_encoder_layers=2,
+                               num_decoder_layers=2, max_len=40).eval()
+
+
+def both(model, prompt, new, temperature, seed=0, **kwargs):
+    """Generate with and without the cache, each sampling from a generator seeded the same."""
+    return [generate(model, prompt, new, use_cache=use_cache, temperature=temperature,
+                     generator=torch.Generator().manual_seed(seed), **kwargs)
+            for use_cache in (True, False)]
+
+
+@pytest.mark.parametrize("batch, prompt_len", [(1, 1), (1, 6), (3, 4)])
+@pytest.mark.parametrize("new", [0, 1, 9, 30])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
+def test_gpt_cached_and_uncached_give_identical_tokens(gpt, batch, prompt_len, new, temperature):
+    prompt = torch.randint(0, VOCAB, (batch, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    cached, uncached = both(gpt, prompt, new, temperature, seed=new)
+    assert cached.shape == (batch, prompt_len + new)
+    assert torch.equal(cached[:, :prompt_len], prompt)
+    assert torch.equal(cached, uncached)
+
+
+def test_greedy_is_argmax_of_the_full_model_at_every_step(gpt):
+    tokens = torch.tensor([[3, 1, 4]])
+    out = generate(gpt, tokens, 6)
+    with torch.no_grad():
+        for _ in range(6):
+            tokens = torch.cat([tokens, gpt(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, tokens)
+
+
+def test_sampling_depends_on_the_generator_and_temperature(gpt):
+    prompt = torch.tensor([1, 2, 3])  # a 1-D prompt is one sequence
+    a = generate(gpt, prompt, 20, temperature=1.5, generator=torch.Generator().manual_seed(0))
+    b = generate(gpt, prompt, 20, temperature=1.5, generator=torch.Generator().manual_seed(0))
+    c = generate(gpt, prompt, 20, temperature=1.5, generator=torch.Generator().manual_seed(1))
+    assert a.shape == (1, 23) and torch.equal(a, b) and not torch.equal(a, c)
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    assert next_token(logits).tolist() == [1]
+    samples = next_token(logits.expand(2000, 3), 1.0, torch.Generator().manual_seed(0))
+    frequency = torch.bincount(samples, minlength=3) / 2000
+    torch.testing.assert_close(frequency, torch.softmax(logits[0], -1), atol=0.03, rtol=0)
+
+
+def test_cache_feeds_one_token_per_step(gpt):
+    """With the cache each step runs the model on the newest token only; without it, on all so far."""
+    lengths = {True: [], False: []}
+    for use_cache in (True, False):
+        hook = gpt.token_embedding.register_forward_hook(
+            lambda module, args, out, use_cache=use_cache: lengths[use_cache].append(args[0].shape[1])
+        )
+        try:
+            generate(gpt, torch.tensor([[1, 2, 3, 4]]), 5, use_cache=use_cache)
+        finally:
+            hook.remove()
+    assert lengths[True] == [4, 1, 1, 1, 1]
+    assert lengths[False] == [4, 5, 6, 7, 8]
+
+
+def test_cache_after_generation_has_the_formula_size(gpt):
+    """After T tokens, each layer's cache holds T keys and T values: 2 * layers * T * d * bytes in all."""
+    caches = gpt.make_caches(1)
+    with torch.no_grad():
+        gpt(torch.randint(0, VOCAB, (1, 10)), caches)
+    filled = sum(c.keys[:, :, : c.length].nbytes + c.values[:, :, : c.length].nbytes for c in caches)
+    assert filled == kv_cache_bytes(num_layers=2, seq_len=10, d_model=32, bytes_per_element=4)
+
+
+def test_generate_restores_training_mode(gpt):
+    gpt.train()
+    try:
+        generate(gpt, torch.tensor([[1]]), 2)
+        assert gpt.training
+    finally:
+        gpt.eval()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("new", [1, 12])
+def test_encoder_decoder_cached_and_uncached_give_identical_tokens(seq2seq, temperature, new):
+    source = torch.randint(0, SRC_VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    source_padding_mask = torch.zeros(2, 9, dtype=torch.bool)
+    source_padding_mask[1, 6:] = True  # the second source is 6 tokens long
+    start = torch.zeros(2, 1, dtype=torch.long)  # a start token
+    for mask in (None, source_padding_mask):
+        cached, uncached = both(seq2seq, start, new, temperature, source=source, source_padding_mask=mask)
+        assert cached.shape == (2, 1 + new)
+        assert torch.equal(cached, uncached)
+
+
+def test_encoder_decoder_computes_cross_attention_keys_once(seq2seq):
+    calls = {True: 0, False: 0}
+    for use_cache in (True, False):
+        hooks = [block.cross_attention.k_proj.register_forward_hook(
+            lambda *args, use_cache=use_cache: calls.__setitem__(use_cache, calls[use_cache] + 1))
+            for block in seq2seq.decoder_blocks]
+        try:
+            generate(seq2seq, torch.zeros(1, 1, dtype=torch.long), 6, use_cache=use_cache,
+                     source=torch.arange(1, 8))
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert calls[True] == 2  # once per decoder layer
+    assert calls[False] == 2 * 6  # every layer at every step
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(prompt=torch.zeros(1, 49, dtype=torch.long), max_new_tokens=0), ValueError,
+         r"prompt of 49 tokens \+ max_new_tokens=0 exceeds max_len=48"),
+        (dict(prompt=torch.zeros(1, 40, dtype=torch.long), max_new_tokens=9), ValueError,
+         r"prompt of 40 tokens \+ max_new_tokens=9 exceeds max_len=48"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0, got -1"),
+        (dict(max_new_tokens=2.0), ValueError, "max_new_tokens must be an int >= 0, got 2.0"),
+        (dict(temperature=-0.5), ValueError, "temperature must be >= 0, got -0.5"),
+        (dict(prompt=torch.zeros(1, 0, dtype=torch.long)), ValueError, "non-empty"),
+        (dict(prompt=torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, r"got \(1, 2, 3\)"),
+        (dict(prompt=torch.tensor([[1, VOCAB]])), ValueError, r"token ids must lie in \[0, 17\)"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(gpt, kwargs, error, message):
+    arguments = dict(prompt=torch.tensor([[1, 2]]), max_new_tokens=3) | kwargs
+    with pytest.raises(error, match=message):
+        generate(gpt, arguments.pop("prompt"), arguments.pop("max_new_tokens"), **arguments)
+
+
+def test_wrong_model_or_missing_source(seq2seq):
+    encoder = EncoderOnlyModel(VOCAB, 16, 2, 1, 20)
+    with pytest.raises(TypeError, match="GPT or EncoderDecoderModel, got EncoderOnlyModel"):
+        generate(encoder, torch.tensor([[1]]), 2)
+    with pytest.raises(TypeError, match="got Linear"):
+        generate(torch.nn.Linear(2, 2), torch.tensor([[1]]), 2)
+    with pytest.raises(ValueError, match="needs source"):
+        generate(seq2seq, torch.tensor([[0]]), 2)
