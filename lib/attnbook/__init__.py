@@ -4,6 +4,7 @@ One module per concept, each standing on the ones before (imports only go downwa
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation -> ...
 """
 
+from . import cost, pretrained
 from .attention import (
     AdditiveAttention,
     masked_softmax,
@@ -53,6 +54,8 @@ __all__ = [
     "sinusoidal_encoding",
     "split_heads",
     "causal_mask",
+    "cost",
+    "pretrained",
     "combine_masks",
     "device",
     "masked_softmax",

@@ -54,6 +54,7 @@ class GPT(nn.Module):
         super().__init__()
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
         self.token_embedding = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)  # as GPT-2: the same scale as the positions
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
@@ -92,6 +93,7 @@ class EncoderOnlyModel(nn.Module):
         super().__init__()
         self.vocab_size, self.max_len = vocab_size, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)  # as GPT-2: the same scale as the positions
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
@@ -137,6 +139,8 @@ class EncoderDecoderModel(nn.Module):
         self.max_len, self.num_heads = max_len, num_heads
         self.src_embedding = nn.Embedding(src_vocab_size, d_model)
         self.tgt_embedding = nn.Embedding(tgt_vocab_size, d_model)
+        for embedding in (self.src_embedding, self.tgt_embedding):  # std d^-1/2, so after the sqrt(d) scale
+            nn.init.normal_(embedding.weight, std=d_model**-0.5)  # tokens and positions are both of size ~1
         self.positions = SinusoidalPositions(d_model)
         self.scale = d_model**0.5  # embeddings scaled by sqrt(d) before adding positions, as in the original
         self.dropout = nn.Dropout(dropout)
