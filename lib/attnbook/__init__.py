@@ -1,10 +1,12 @@
 """attnbook: the tested library behind the book *Attention & Transformers*.
 
 One module per concept, each standing on the ones before (imports only go downward):
-utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation -> ...
+utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
+with data and train (datasets, the training loop), cost (formulas, timing), pretrained
+(MiniLM-L6 in our encoder) and bench (``python -m attnbook.bench``).
 """
 
-from . import cost, pretrained
+from . import cost, data, pretrained, train
 from .attention import (
     AdditiveAttention,
     masked_softmax,
@@ -53,8 +55,10 @@ __all__ = [
     "merge_heads",
     "sinusoidal_encoding",
     "split_heads",
+    "train",
     "causal_mask",
     "cost",
+    "data",
     "pretrained",
     "combine_masks",
     "device",

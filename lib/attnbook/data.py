@@ -1,0 +1,349 @@
+"""Offline data for the small models of the book: text, tokenizers, batches and two tasks.
+
+Nothing here downloads anything. The pieces:
+
+- :func:`load_shakespeare`: six public-domain Shakespeare plays (about 800,000 characters) shipped
+  in ``book/data/shakespeare.txt.gz`` (``book/data/README.md`` says how it was made).
+- :class:`CharTokenizer` (one token per character) and :class:`WordTokenizer` (one per word),
+  both with special tokens (``<pad>``, ``<mask>``, ``<bos>``, ``<eos>`` ...) placed first, so
+  ``<pad>`` is id 0 when it is the first special.
+- :func:`train_val_split` and :func:`random_batch`: a contiguous split of a long id sequence and
+  random ``(B, T)`` windows for next-token prediction (``y`` is ``x`` shifted by one).
+- :func:`mask_tokens`: BERT's masking for a masked-language model (15 %, 80/10/10).
+- :func:`ngram_cross_entropy`: the unigram / bigram baselines a language model must beat.
+- The sequence-to-sequence task: :func:`number_to_words` (``347 -> "three hundred forty seven"``)
+  and :func:`number_split` (train / held-out numbers, never overlapping).
+- The classification task: :func:`shuffled_lines` (is this line of verse in its real word order,
+  or are its words shuffled?), and :func:`pad_batch` to batch sequences of different lengths.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "book" / "data"
+
+
+# ----------------------------------------------------------------------------------------------
+# Text
+
+
+def load_shakespeare(path: str | Path | None = None) -> str:
+    """The text of six Shakespeare plays (Hamlet, Macbeth, King Lear, Othello, Romeo and Juliet,
+    Julius Caesar), about 800,000 characters in the layout ``"SPEAKER:\\nlines\\n\\n"``.
+
+    Read from ``book/data/shakespeare.txt.gz`` of the repository (or ``path``); public domain.
+    """
+    path = Path(path) if path is not None else DATA_DIR / "shakespeare.txt.gz"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: it is committed under book/data/ of the book's repository; "
+            "run from a checkout with `pip install -e .`, or pass path=..."
+        )
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class Vocabulary:
+    """A fixed list of tokens and their ids: the special tokens first, then the ordinary ones.
+
+    ``encode`` maps a sequence of tokens to a 1-D LongTensor of ids, ``decode`` maps ids back.
+    Subclasses decide what a token is (a character, a word) by overriding ``split`` and ``join``.
+    """
+
+    def __init__(self, tokens: Iterable[str], specials: Sequence[str] = ()):
+        specials = list(specials)
+        tokens = [t for t in dict.fromkeys(tokens) if t not in specials]  # unique, in order
+        if len(set(specials)) != len(specials):
+            raise ValueError(f"special tokens must be distinct, got {specials}")
+        if not tokens:
+            raise ValueError("a vocabulary needs at least one ordinary token")
+        self.specials = specials
+        self.itos = specials + tokens  # id -> token
+        self.stoi = {t: i for i, t in enumerate(self.itos)}  # token -> id
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    @property
+    def num_specials(self) -> int:
+        """Ids ``0 .. num_specials - 1`` are the special tokens."""
+        return len(self.specials)
+
+    def id(self, token: str) -> int:
+        """The id of one token (special or ordinary); ``KeyError`` naming it if it is unknown."""
+        try:
+            return self.stoi[token]
+        except KeyError:
+            raise KeyError(f"token {token!r} is not in the vocabulary") from None
+
+    def split(self, text):
+        raise NotImplementedError
+
+    def join(self, tokens: list[str]) -> str:
+        raise NotImplementedError
+
+    def encode(self, text) -> torch.Tensor:
+        """``text`` -> ids ``(n,)`` (LongTensor). Unknown tokens raise ``ValueError`` naming them."""
+        tokens = self.split(text)
+        try:
+            return torch.tensor([self.stoi[t] for t in tokens], dtype=torch.long)
+        except KeyError:
+            unknown = sorted({t for t in tokens if t not in self.stoi})
+            raise ValueError(f"tokens not in the vocabulary: {unknown[:10]}") from None
+
+    def decode(self, ids, skip_specials: bool = False) -> str:
+        """Ids (a 1-D tensor or list) -> text; special tokens are written as their names unless skipped."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= len(self.itos)):
+            raise ValueError(f"ids must lie in [0, {len(self.itos)}), got range [{min(ids)}, {max(ids)}]")
+        start = self.num_specials if skip_specials else 0
+        return self.join([self.itos[i] for i in ids if i >= start])
+
+
+class CharTokenizer(Vocabulary):
+    """One token per character: ``CharTokenizer.from_text(text, specials=("<mask>",))``.
+
+    >>> tok = CharTokenizer("abc ", specials=["<pad>"])
+    >>> tok.encode("cab").tolist(), tok.decode(tok.encode("cab"))
+    ([3, 1, 2], 'cab')
+    """
+
+    @classmethod
+    def from_text(cls, text: str, specials: Sequence[str] = ()) -> CharTokenizer:
+        """A tokenizer whose ordinary tokens are the distinct characters of ``text``, sorted."""
+        return cls(sorted(set(text)), specials)
+
+    def split(self, text: str) -> list[str]:
+        if not isinstance(text, str):
+            raise TypeError(f"CharTokenizer.encode needs a str, got {type(text).__name__}")
+        return list(text)
+
+    def join(self, tokens: list[str]) -> str:
+        return "".join(tokens)
+
+
+class WordTokenizer(Vocabulary):
+    """One token per space-separated word (the target side of the number-to-words task)."""
+
+    def split(self, text) -> list[str]:
+        return text.split() if isinstance(text, str) else list(text)
+
+    def join(self, tokens: list[str]) -> str:
+        return " ".join(tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Next-token prediction: split and batches
+
+
+def train_val_split(ids: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a 1-D id sequence into a first part (train) and a last part (validation).
+
+    Contiguous, not random: a random split of overlapping windows would leak validation text into
+    training. Returns views ``(ids[:n_train], ids[n_train:])``.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        raise ValueError(f"ids must be a 1-D tensor, got {type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    n_train = int(round(len(ids) * (1 - val_fraction)))
+    if n_train < 2 or len(ids) - n_train < 2:
+        raise ValueError(f"{len(ids)} ids are too few to split with val_fraction={val_fraction}")
+    return ids[:n_train], ids[n_train:]
+
+
+def random_batch(ids: torch.Tensor, batch_size: int, block_size: int, *, generator=None, device=None):
+    """``batch_size`` random windows of ``block_size + 1`` ids from the 1-D ``ids``.
+
+    Returns ``(x, y)``, each ``(B, T)`` with ``T = block_size``: ``y[:, t] = x[:, t + 1]`` in the text,
+    the next token at every position.
+    """
+    if batch_size < 1 or block_size < 1:
+        raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size} and {block_size}")
+    if len(ids) < block_size + 1:
+        raise ValueError(f"need at least block_size + 1 = {block_size + 1} ids, got {len(ids)}")
+    starts = torch.randint(len(ids) - block_size, (batch_size,), generator=generator)  # (B,)
+    offsets = torch.arange(block_size + 1)  # (T + 1,)
+    windows = ids[starts[:, None] + offsets]  # (B, T + 1)
+    return windows[:, :-1].to(device), windows[:, 1:].to(device)
+
+
+def mask_tokens(ids: torch.Tensor, mask_id: int, vocab_size: int, *, prob: float = 0.15, first_ordinary: int = 0,
+                generator=None):
+    """BERT's masked-language-model corruption of ``ids (B, T)``.
+
+    Each position is chosen with probability ``prob``; of the chosen ones 80 % become ``mask_id``,
+    10 % a random ordinary token (ids ``first_ordinary .. vocab_size - 1``) and 10 % stay as they are
+    (Devlin et al., 2019). Returns ``(inputs (B, T), targets (B, T))`` where ``targets`` holds the original
+    id at chosen positions and ``-100`` (ignored by ``F.cross_entropy``) elsewhere.
+    """
+    if not 0 < prob < 1:
+        raise ValueError(f"prob must lie in (0, 1), got {prob}")
+    if not 0 <= first_ordinary < vocab_size:
+        raise ValueError(f"first_ordinary must lie in [0, vocab_size={vocab_size}), got {first_ordinary}")
+    device = ids.device
+    rand = torch.rand(ids.shape, generator=generator).to(device)  # one draw decides chosen and which rule
+    chosen = rand < prob  # (B, T)
+    targets = torch.where(chosen, ids, torch.full_like(ids, -100))
+    inputs = ids.clone()
+    to_mask = rand < 0.8 * prob  # 80 % of the chosen
+    to_random = (rand >= 0.8 * prob) & (rand < 0.9 * prob)  # 10 %; the last 10 % keep their token
+    random_ids = torch.randint(first_ordinary, vocab_size, ids.shape, generator=generator).to(device)
+    inputs[to_mask] = mask_id
+    inputs[to_random] = random_ids[to_random]
+    return inputs, targets
+
+
+def ngram_cross_entropy(train_ids: torch.Tensor, val_ids: torch.Tensor, vocab_size: int, order: int = 1,
+                        smoothing: float = 1.0) -> float:
+    """Cross-entropy (nats per token) of ``val_ids`` under a count-based n-gram model of ``train_ids``.
+
+    ``order=1``: unigram, ``p(x_t)``; ``order=2``: bigram, ``p(x_t | x_{t-1})``; add-``smoothing``
+    (Laplace) counts so unseen tokens keep a small probability. A language model that has learned
+    anything beyond character frequencies must score below the unigram value.
+    """
+    if order not in (1, 2):
+        raise ValueError(f"order must be 1 (unigram) or 2 (bigram), got {order}")
+    if smoothing <= 0:
+        raise ValueError(f"smoothing must be > 0, got {smoothing}")
+    train_ids, val_ids = train_ids.cpu().long(), val_ids.cpu().long()
+    if order == 1:
+        counts = torch.bincount(train_ids, minlength=vocab_size).double() + smoothing  # (V,)
+        log_p = counts.log() - counts.sum().log()
+        return float(-log_p[val_ids].mean())
+    pairs = train_ids[:-1] * vocab_size + train_ids[1:]
+    counts = torch.bincount(pairs, minlength=vocab_size**2).double().view(vocab_size, vocab_size) + smoothing
+    log_p = counts.log() - counts.sum(1, keepdim=True).log()  # (V, V): row = previous token
+    return float(-log_p[val_ids[:-1], val_ids[1:]].mean())
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence to sequence: numbers to English words
+
+_ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+         "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+NUMBER_WORDS = _ONES + _TENS[2:] + ["hundred", "thousand"]
+
+
+def _below_thousand(n: int) -> list[str]:
+    words = []
+    if n >= 100:
+        words += [_ONES[n // 100], "hundred"]
+        n %= 100
+    if n >= 20:
+        words.append(_TENS[n // 10])
+        n %= 10
+        if n:
+            words.append(_ONES[n])
+    elif n:
+        words.append(_ONES[n])
+    return words
+
+
+def number_to_words(n: int) -> str:
+    """``0 <= n < 1,000,000`` in English words, American style without "and":
+    ``347 -> "three hundred forty seven"``, ``12005 -> "twelve thousand five"``."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1_000_000:
+        raise ValueError(f"n must be an int in [0, 1000000), got {n!r}")
+    if n == 0:
+        return "zero"
+    words = []
+    if n >= 1000:
+        words += _below_thousand(n // 1000) + ["thousand"]
+    return " ".join(words + _below_thousand(n % 1000))
+
+
+def number_split(max_number: int = 10_000, held_out: int = 1_000, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Numbers ``0 .. max_number - 1`` shuffled with ``seed`` and cut into ``(train, held_out)`` lists.
+
+    The two never share a number, so accuracy on the held-out list measures generalization to inputs
+    the model has never seen.
+    """
+    if not 0 < held_out < max_number <= 1_000_000:
+        raise ValueError(f"need 0 < held_out < max_number <= 1000000, got held_out={held_out}, "
+                         f"max_number={max_number}")
+    numbers = list(range(max_number))
+    random.Random(seed).shuffle(numbers)
+    return numbers[held_out:], numbers[:held_out]
+
+
+def pad_batch(sequences: Sequence[torch.Tensor], pad_id: int = 0, device=None):
+    """Stack 1-D id tensors of different lengths into ``ids (B, T_max)`` padded on the right with
+    ``pad_id``, and ``padding_mask (B, T_max)``, ``True`` at padding (the library's convention)."""
+    if len(sequences) == 0:
+        raise ValueError("pad_batch needs at least one sequence")
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+    padding = torch.arange(ids.shape[1])[None, :] >= lengths[:, None]  # (B, T_max)
+    return ids.to(device), padding.to(device)
+
+
+def seq2seq_batch(numbers: Sequence[int], source_tokenizer: Vocabulary, target_tokenizer: Vocabulary, device=None):
+    """Tensors for the number-to-words task: ``source (B, S)`` digits, ``source_padding (B, S)``,
+    and ``target (B, T + 2)`` = ``<bos> words <eos>`` padded with ``<pad>`` (id 0 in both tokenizers).
+
+    Train the decoder on ``target[:, :-1]`` to predict ``target[:, 1:]``, ignoring ``<pad>`` in the loss.
+    """
+    bos, eos = target_tokenizer.id("<bos>"), target_tokenizer.id("<eos>")
+    sources = [source_tokenizer.encode(str(n)) for n in numbers]
+    targets = [torch.cat([torch.tensor([bos]), target_tokenizer.encode(number_to_words(n)), torch.tensor([eos])])
+               for n in numbers]
+    source, source_padding = pad_batch(sources, source_tokenizer.id("<pad>"), device)
+    target, _ = pad_batch(targets, target_tokenizer.id("<pad>"), device)
+    return source, source_padding, target
+
+
+# ----------------------------------------------------------------------------------------------
+# Classification: is a line in its real word order?
+
+
+def verse_lines(text: str, min_words: int = 4, max_chars: int = 64) -> list[str]:
+    """The spoken lines of ``text`` (speaker names dropped) with at least ``min_words`` distinct words
+    and at most ``max_chars`` characters, in order of appearance."""
+    lines = []
+    for line in text.split("\n"):
+        line = line.strip()
+        words = line.split()
+        if not line or line.endswith(":") or len(line) > max_chars or len(set(words)) < min_words:
+            continue
+        lines.append(line)
+    return lines
+
+
+def shuffled_lines(lines: Sequence[str], seed: int = 0) -> tuple[list[str], torch.Tensor]:
+    """The word-order task: each line is kept (label 0) or has its words shuffled (label 1), half each.
+
+    A shuffled line has exactly the same characters and words as the original (only the order
+    differs), so no bag-of-characters or bag-of-words model can beat 50 %: the task needs word order.
+    Returns ``(texts, labels (N,))``.
+    """
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for line in lines:
+        label = rng.random() < 0.5
+        if label:
+            words = line.split()
+            shuffled = words[:]
+            while shuffled == words:  # guaranteed to differ: the lines have >= 2 distinct words
+                rng.shuffle(shuffled)
+            line = " ".join(shuffled)
+        texts.append(line)
+        labels.append(int(label))
+    return texts, torch.tensor(labels)

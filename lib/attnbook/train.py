@@ -1,0 +1,190 @@
+"""One small training loop for every chapter: AdamW, warm-up then cosine decay, gradient clipping.
+
+::
+
+    history = train(model, batches, loss_fn, steps=500, lr=3e-3)
+
+- ``batches``: a callable returning one batch per call (e.g. ``lambda: random_batch(...)``), or an
+  iterable/iterator yielding at least ``steps`` batches. A batch is anything ``loss_fn`` accepts;
+  tensors in it (also inside tuples, lists and dicts) are moved to the model's device.
+- ``loss_fn(model, batch) -> loss``: a scalar tensor, e.g. the cross-entropy of ``model(x)`` against ``y``.
+- ``eval_fn(model) -> value`` (optional): run every ``eval_every`` steps and after the last one, in
+  ``eval()`` mode under ``torch.no_grad()``; ``value`` is a number or a dict of numbers.
+
+The learning rate follows :func:`lr_at`: a linear warm-up over ``warmup`` steps to ``lr``, then a
+half cosine down to ``min_lr_ratio * lr`` at the end. Weight decay applies to matrices only
+(weights of linear layers and embeddings), not to biases or LayerNorm parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .utils import progress
+
+
+def lr_at(step: int, *, steps: int, lr: float, warmup: int = 0, min_lr_ratio: float = 0.1) -> float:
+    """The learning rate at ``step`` (0-based) of a run of ``steps`` steps.
+
+    - warm-up, ``step < warmup``: ``lr * (step + 1) / warmup`` (reaches ``lr`` at ``step = warmup - 1``);
+    - then cosine: ``min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2`` with
+      ``p = (step - warmup) / (steps - warmup)``, so ``lr`` at ``step = warmup`` and
+      ``min_lr = min_lr_ratio * lr`` at ``step = steps``.
+    """
+    if steps <= 0 or lr <= 0:
+        raise ValueError(f"steps and lr must be > 0, got steps={steps}, lr={lr}")
+    if not 0 <= warmup < steps:
+        raise ValueError(f"warmup must lie in [0, steps={steps}), got {warmup}")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / (steps - warmup))
+    min_lr = min_lr_ratio * lr
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+@dataclass
+class History:
+    """What :func:`train` returns: the loss and learning rate of every step, and the evaluations."""
+
+    loss: list[float] = field(default_factory=list)  # training loss at each step
+    lr: list[float] = field(default_factory=list)  # learning rate used at each step
+    eval_steps: list[int] = field(default_factory=list)  # number of steps done at each evaluation
+    evals: list[Any] = field(default_factory=list)  # what eval_fn returned then
+    seconds: float = 0.0  # wall-clock time of the whole run
+
+    def smoothed_loss(self, window: int = 20) -> list[float]:
+        """Running mean of the training loss over the last ``window`` steps (for plots)."""
+        out, total = [], 0.0
+        for i, value in enumerate(self.loss):
+            total += value
+            if i >= window:
+                total -= self.loss[i - window]
+            out.append(total / min(i + 1, window))
+        return out
+
+
+def to_device(batch, device):
+    """Move every tensor in ``batch`` (a tensor, or tuples/lists/dicts of them) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the parameters with two or more dimensions only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.99))
+
+
+def train(
+    model: nn.Module,
+    batches: Callable[[], Any] | Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    warmup: int | None = None,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.01,
+    clip: float | None = 1.0,
+    eval_fn: Callable[[nn.Module], Any] | None = None,
+    eval_every: int | None = None,
+    device: torch.device | str | None = None,
+    desc: str = "training",
+    show_progress: bool = True,
+) -> History:
+    """Train ``model`` for ``steps`` optimizer steps; return a :class:`History`.
+
+    ``warmup`` defaults to 5 % of ``steps``; ``clip`` is the maximum global gradient norm (``None``
+    to switch clipping off); ``device`` moves the model there first (default: where it already is).
+    The progress bar shows the training loss, averaged over the last 10 steps.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip must be > 0 or None, got {clip!r}")
+    warmup = steps // 20 if warmup is None else warmup
+    if not isinstance(warmup, int) or not 0 <= warmup < steps:
+        raise ValueError(f"warmup must be an int in [0, steps={steps}), got {warmup!r}")
+    if eval_every is not None and (not isinstance(eval_every, int) or eval_every <= 0):
+        raise ValueError(f"eval_every must be a positive int or None, got {eval_every!r}")
+    if callable(batches):
+        next_batch = batches
+    else:
+        try:
+            iterator = iter(batches)
+        except TypeError:
+            raise TypeError(f"batches must be a callable or an iterable, got {type(batches).__name__}") from None
+
+        def next_batch():
+            try:
+                return next(iterator)
+            except StopIteration:
+                raise ValueError(f"batches ran out after {step} of {steps} steps; pass a callable "
+                                 "or an iterable with at least `steps` batches") from None
+
+    if device is not None:
+        model.to(device)
+    device = next(model.parameters()).device
+    optimizer = make_optimizer(model, lr, weight_decay)
+    history = History()
+
+    def evaluate(done: int) -> None:
+        model.eval()
+        with torch.no_grad():
+            history.evals.append(eval_fn(model))
+        history.eval_steps.append(done)
+        model.train()
+
+    start = time.perf_counter()
+    model.train()
+    bar = progress(range(steps), desc=desc, disable=not show_progress, mininterval=0.5)
+    recent = []  # losses of the last steps, as tensors (read back only every 10 steps)
+    for step in bar:
+        rate = lr_at(step, steps=steps, lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        loss = loss_fn(model, to_device(next_batch(), device))
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        recent.append(loss.detach())
+        history.lr.append(rate)
+        if len(recent) == 10 or step == steps - 1:
+            values = torch.stack(recent).float().cpu().tolist()
+            history.loss.extend(values)
+            recent = []
+            bar.set_postfix(loss=f"{sum(values) / len(values):.3f}", refresh=False)
+        if eval_fn is not None and eval_every is not None and (step + 1) % eval_every == 0 and step < steps - 1:
+            evaluate(step + 1)
+    bar.close()
+    if eval_fn is not None:
+        evaluate(steps)
+    history.seconds = time.perf_counter() - start
+    return history

@@ -1,0 +1,168 @@
+"""Offline data: the text file, tokenizers, splits and batches, BERT masking, baselines and the two tasks."""
+
+import math
+
+import pytest
+import torch
+from attnbook import data
+
+
+@pytest.fixture(scope="module")
+def text():
+    return data.load_shakespeare()
+
+
+def test_shakespeare_is_there(text):
+    assert 700_000 < len(text) < 900_000
+    assert text.startswith("BERNARDO:\nWho's there?\n")
+    assert "To be, or not to be" in text
+
+
+def test_missing_file_says_where_it_should_be(tmp_path):
+    with pytest.raises(FileNotFoundError, match="book/data"):
+        data.load_shakespeare(tmp_path / "nothing.txt.gz")
+
+
+def test_char_tokenizer_round_trip(text):
+    tok = data.CharTokenizer.from_text(text, specials=["<pad>", "<mask>"])
+    assert tok.id("<pad>") == 0 and tok.id("<mask>") == 1 and tok.num_specials == 2
+    assert len(tok) == tok.vocab_size == 2 + len(set(text))
+    ids = tok.encode(text[:5000])
+    assert ids.dtype == torch.long and ids.shape == (5000,)
+    assert int(ids.min()) >= tok.num_specials  # ordinary text never encodes to a special id
+    assert tok.decode(ids) == text[:5000]
+    assert tok.decode(ids.tolist()) == text[:5000]
+    assert tok.decode([1, *tok.encode("ab").tolist()]) == "<mask>ab"
+    assert tok.decode([1, *tok.encode("ab").tolist()], skip_specials=True) == "ab"
+
+
+def test_tokenizer_errors():
+    tok = data.CharTokenizer("abc")
+    with pytest.raises(ValueError, match="'z'"):
+        tok.encode("abz")
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        tok.decode([0, 3])
+    with pytest.raises(KeyError, match="<mask>"):
+        tok.id("<mask>")
+    with pytest.raises(TypeError, match="str"):
+        tok.encode(["a"])
+    with pytest.raises(ValueError, match="distinct"):
+        data.CharTokenizer("abc", specials=["<x>", "<x>"])
+
+
+def test_word_tokenizer_round_trip():
+    tok = data.WordTokenizer(data.NUMBER_WORDS, specials=["<pad>", "<bos>", "<eos>"])
+    assert len(tok) == 3 + 30
+    words = data.number_to_words(90_417)
+    assert tok.decode(tok.encode(words)) == words
+
+
+def test_train_val_split_is_contiguous_and_disjoint():
+    ids = torch.arange(1000)
+    train, val = data.train_val_split(ids, 0.1)
+    assert len(train) == 900 and len(val) == 100
+    assert int(train.max()) < int(val.min())  # no position is in both
+    assert torch.equal(torch.cat([train, val]), ids)
+    with pytest.raises(ValueError, match="val_fraction"):
+        data.train_val_split(ids, 1.0)
+
+
+def test_random_batch_targets_are_the_next_tokens():
+    ids = torch.arange(100)
+    x, y = data.random_batch(ids, 8, 16, generator=torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (8, 16)
+    assert torch.equal(y, x + 1)  # in arange, the next token is the id + 1
+    assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # windows are contiguous
+    with pytest.raises(ValueError, match="block_size"):
+        data.random_batch(ids, 8, 100)
+
+
+def test_mask_tokens_follows_bert():
+    ids = torch.randint(5, 40, (200, 250), generator=torch.Generator().manual_seed(0))
+    inputs, targets = data.mask_tokens(ids, mask_id=1, vocab_size=40, first_ordinary=5,
+                                       generator=torch.Generator().manual_seed(1))
+    chosen = targets != -100
+    assert abs(chosen.float().mean().item() - 0.15) < 0.005  # 15 % of the positions
+    assert torch.equal(targets[chosen], ids[chosen])  # targets are the original tokens
+    assert torch.equal(inputs[~chosen], ids[~chosen])  # the rest is untouched
+    masked = (inputs == 1) & chosen
+    kept = (inputs == ids) & chosen  # includes random replacements that drew the same token (1/35 of 10 %)
+    n = chosen.sum().item()
+    assert abs(masked.sum().item() / n - 0.8) < 0.02
+    assert abs(kept.sum().item() / n - (0.1 + 0.1 / 35)) < 0.02
+    assert int(inputs[chosen & ~masked].min()) >= 5  # random replacements are ordinary tokens
+
+
+def test_ngram_baselines():
+    vocab = 4
+    cycle = torch.tensor([0, 1, 2, 3] * 200)  # uniform unigrams, deterministic bigrams
+    unigram = data.ngram_cross_entropy(cycle, cycle, vocab, order=1)
+    bigram = data.ngram_cross_entropy(cycle, cycle, vocab, order=2, smoothing=1e-6)
+    assert unigram == pytest.approx(math.log(4), rel=1e-6)
+    assert bigram == pytest.approx(0.0, abs=1e-4)
+    with pytest.raises(ValueError, match="order"):
+        data.ngram_cross_entropy(cycle, cycle, vocab, order=3)
+
+
+@pytest.mark.parametrize(
+    "n, words",
+    [
+        (0, "zero"),
+        (7, "seven"),
+        (13, "thirteen"),
+        (40, "forty"),
+        (347, "three hundred forty seven"),
+        (1000, "one thousand"),
+        (12_005, "twelve thousand five"),
+        (90_417, "ninety thousand four hundred seventeen"),
+        (999_999, "nine hundred ninety nine thousand nine hundred ninety nine"),
+    ],
+)
+def test_number_to_words(n, words):
+    assert data.number_to_words(n) == words
+
+
+@pytest.mark.parametrize("bad", [-1, 1_000_000, 2.0, True])
+def test_number_to_words_bad_input(bad):
+    with pytest.raises(ValueError, match="n must be"):
+        data.number_to_words(bad)
+
+
+def test_number_split_held_out_never_in_train():
+    train, held_out = data.number_split(100_000, 2_000, seed=0)
+    assert len(held_out) == 2_000 and len(train) == 98_000
+    assert not set(train) & set(held_out)
+    assert sorted(train + held_out) == list(range(100_000))
+    assert data.number_split(100_000, 2_000, seed=0) == (train, held_out)  # deterministic
+    with pytest.raises(ValueError, match="held_out"):
+        data.number_split(10, 10)
+
+
+def test_seq2seq_batch():
+    src_tok = data.CharTokenizer("0123456789", specials=["<pad>"])
+    tgt_tok = data.WordTokenizer(data.NUMBER_WORDS, specials=["<pad>", "<bos>", "<eos>"])
+    src, src_pad, tgt = data.seq2seq_batch([5, 347], src_tok, tgt_tok)
+    assert src.shape == src_pad.shape == (2, 3) and tgt.shape == (2, 6)
+    assert src_pad.tolist() == [[False, True, True], [False, False, False]]
+    assert src_tok.decode(src[1]) == "347"
+    assert tgt_tok.decode(tgt[1]) == "<bos> three hundred forty seven <eos>"
+    assert tgt_tok.decode(tgt[0]) == "<bos> five <eos> <pad> <pad> <pad>"
+
+
+def test_pad_batch():
+    ids, padding = data.pad_batch([torch.tensor([3, 4, 5]), torch.tensor([6])], pad_id=0)
+    assert ids.tolist() == [[3, 4, 5], [6, 0, 0]]
+    assert padding.tolist() == [[False, False, False], [False, True, True]]
+    with pytest.raises(ValueError):
+        data.pad_batch([])
+
+
+def test_shuffled_lines_keep_the_characters(text):
+    lines = data.verse_lines(text)
+    assert len(lines) > 10_000
+    assert all(len(line) <= 64 and len(set(line.split())) >= 4 and not line.endswith(":") for line in lines)
+    texts, labels = data.shuffled_lines(lines[:2000], seed=0)
+    assert 0.45 < labels.float().mean().item() < 0.55
+    for original, shown, label in zip(lines[:2000], texts, labels.tolist(), strict=True):
+        assert sorted(shown) == sorted(original)  # the same characters: only the order can tell
+        assert (shown != original) == bool(label)
