@@ -152,3 +152,13 @@ def test_wrong_model_or_missing_source(seq2seq):
         generate(torch.nn.Linear(2, 2), torch.tensor([[1]]), 2)
     with pytest.raises(ValueError, match="needs source"):
         generate(seq2seq, torch.tensor([[0]]), 2)
+
+
+def test_caches_follow_the_model_dtype_and_reject_another():
+    model = GPT(vocab_size=11, d_model=16, num_heads=2, num_layers=1, max_len=8).eval()
+    assert model.make_caches(1)[0].keys.dtype == torch.float32
+    caches = model.make_caches(1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="KV cache holds torch.float16"):
+        model(torch.zeros(1, 2, dtype=torch.long), caches)
+    model.double()
+    assert model.make_caches(1)[0].keys.dtype == torch.float64

@@ -31,6 +31,11 @@ def _check_ids(idx: torch.Tensor, vocab_size: int, max_len: int, start: int = 0)
         raise ValueError(f"token ids must lie in [0, {vocab_size}), got range [{int(idx.min())}, {int(idx.max())}]")
 
 
+def _device_and_dtype(model: nn.Module, device, dtype):
+    parameter = next(model.parameters())
+    return (parameter.device if device is None else device), (parameter.dtype if dtype is None else dtype)
+
+
 def causal_mask_after(start: int, new: int, device=None) -> torch.Tensor | None:
     """Mask for ``new`` queries at positions ``start .. start+new-1`` over ``start + new`` keys (True = blocked).
 
@@ -63,8 +68,10 @@ class GPT(nn.Module):
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def make_caches(self, batch_size: int, device=None, dtype=torch.float32) -> list[KVCache]:
-        """One preallocated :class:`KVCache` per layer, for up to ``max_len`` tokens."""
+    def make_caches(self, batch_size: int, device=None, dtype=None) -> list[KVCache]:
+        """One preallocated :class:`KVCache` per layer, for up to ``max_len`` tokens
+        (on the model's device and in its dtype unless given)."""
+        device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
         return [KVCache(batch_size, self.num_heads, self.max_len, head_dim, device=device, dtype=dtype)
                 for _ in self.blocks]
@@ -176,8 +183,9 @@ class EncoderDecoderModel(nn.Module):
     def forward(self, src, tgt, src_padding_mask=None):
         return self.decode(tgt, self.encode(src, src_padding_mask), src_padding_mask)
 
-    def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=torch.float32):
+    def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
         """Per decoder layer: a self-attention cache (grows) and a static cross-attention cache (filled once)."""
+        device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.tgt_embedding.embedding_dim // self.num_heads
         return [(KVCache(batch_size, self.num_heads, self.max_len, head_dim, device=device, dtype=dtype),
                  KVCache(batch_size, self.num_heads, memory_len, head_dim, device=device, dtype=dtype, static=True))

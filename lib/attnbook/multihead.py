@@ -59,6 +59,8 @@ class KVCache:
                 f"KV cache expects keys and values (B={B}, h={h}, t, head_dim={head_dim}), "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
+        if k.dtype != self.keys.dtype or v.dtype != self.keys.dtype:
+            raise ValueError(f"KV cache holds {self.keys.dtype}, got keys {k.dtype} and values {v.dtype}")
         t = k.shape[2]
         if self.length + t > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; cannot add {t} to the {self.length} stored")
