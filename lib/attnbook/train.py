@@ -180,7 +180,7 @@ def train(
             values = torch.stack(recent).float().cpu().tolist()
             history.loss.extend(values)
             recent = []
-            bar.set_postfix(loss=f"{sum(values) / len(values):.3f}", refresh=False)
+            bar.set_description(f"{desc} (loss {sum(values) / len(values):.3f})", refresh=False)
         if eval_fn is not None and eval_every is not None and (step + 1) % eval_every == 0 and step < steps - 1:
             evaluate(step + 1)
     bar.close()
