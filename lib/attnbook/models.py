@@ -46,6 +46,21 @@ def causal_mask_after(start: int, new: int, device=None) -> torch.Tensor | None:
     return torch.ones(new, start + new, dtype=torch.bool, device=device).triu(diagonal=start + 1)
 
 
+def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
+    embedding = nn.Embedding(vocab_size, d_model)
+    nn.init.normal_(embedding.weight, std=0.02)  # as GPT-2: the same scale as the learned positions
+    return embedding
+
+
+def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm) -> nn.ModuleList:
+    return nn.ModuleList(EncoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_layers))
+
+
+def _final_norm(norm: str, d_model: int) -> nn.Module:
+    """A pre-norm stack ends with a LayerNorm (its residual stream is never normalised otherwise)."""
+    return nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: token + learned position embeddings, causal blocks, next-token head.
 
@@ -58,14 +73,11 @@ class GPT(nn.Module):
                  norm="pre", activation="gelu"):
         super().__init__()
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        nn.init.normal_(self.token_embedding.weight, std=0.02)  # as GPT-2: the same scale as the positions
+        self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_layers)
-        )
-        self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
+        self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm)
+        self.final_norm = _final_norm(norm, d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
     def make_caches(self, batch_size: int, device=None, dtype=None) -> list[KVCache]:
@@ -99,14 +111,11 @@ class EncoderOnlyModel(nn.Module):
                  dropout=0.0, norm="pre", activation="gelu"):
         super().__init__()
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        nn.init.normal_(self.token_embedding.weight, std=0.02)  # as GPT-2: the same scale as the positions
+        self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_layers)
-        )
-        self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
+        self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm)
+        self.final_norm = _final_norm(norm, d_model)
         self.mlm_head = nn.Linear(d_model, vocab_size)
         self.classifier = nn.Linear(d_model, num_classes) if num_classes else None
 
@@ -151,14 +160,12 @@ class EncoderDecoderModel(nn.Module):
         self.positions = SinusoidalPositions(d_model)
         self.scale = d_model**0.5  # embeddings scaled by sqrt(d) before adding positions, as in the original
         self.dropout = nn.Dropout(dropout)
-        self.encoder_blocks = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_encoder_layers)
-        )
+        self.encoder_blocks = _encoder_stack(num_encoder_layers, d_model, num_heads, hidden, dropout, activation, norm)
         self.decoder_blocks = nn.ModuleList(
             DecoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_decoder_layers)
         )
-        self.encoder_norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
+        self.encoder_norm = _final_norm(norm, d_model)
+        self.decoder_norm = _final_norm(norm, d_model)
         self.lm_head = nn.Linear(d_model, tgt_vocab_size, bias=False)
 
     def encode(self, src, src_padding_mask=None):
