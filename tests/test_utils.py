@@ -27,3 +27,24 @@ def test_show_source_renders_the_real_source():
     assert "causal_mask" in code._repr_html_() and "<span" in code._repr_html_()  # highlighted
     with pytest.raises(TypeError, match="Python source"):
         show_source(3)
+
+
+def test_seed_offset_shifts_every_seed(monkeypatch):
+    from attnbook import generator, seed_offset
+
+    monkeypatch.delenv("ATTNBOOK_SEED_OFFSET", raising=False)
+    assert seed_offset() == 0
+    seed_everything(5)
+    plain = torch.rand(3)
+    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "2")
+    assert seed_offset() == 2
+    seed_everything(3)  # 3 + 2 = 5: the same numbers as seed 5 without an offset
+    torch.testing.assert_close(torch.rand(3), plain)
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(torch.rand(4, generator=generator(7)), expected)
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", bad)
+        with pytest.raises(ValueError, match="ATTNBOOK_SEED_OFFSET"):
+            seed_everything(0)
+    with pytest.raises(ValueError, match="non-negative int"):
+        generator(-3)

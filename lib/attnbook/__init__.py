@@ -32,7 +32,7 @@ from .positions import (
     interpolate_grid,
     sinusoidal_encoding,
 )
-from .utils import device, on_gpu, progress, seed_everything, show_source
+from .utils import device, generator, on_gpu, progress, seed_everything, seed_offset, show_source
 
 __all__ = [
     "AdditiveAttention",
@@ -69,5 +69,7 @@ __all__ = [
     "progress",
     "scaled_dot_product_attention",
     "seed_everything",
+    "seed_offset",
+    "generator",
     "show_source",
 ]

@@ -30,15 +30,45 @@ def on_gpu() -> bool:
     return device().type != "cpu"
 
 
-def seed_everything(seed: int = 0) -> None:
-    """Seed Python, NumPy and PyTorch (CPU and every GPU) so a run repeats."""
+def seed_offset() -> int:
+    """The integer in the environment variable ``ATTNBOOK_SEED_OFFSET`` (default 0).
+
+    :func:`seed_everything` and :func:`generator` add it to every seed they set, so a whole run of
+    the book can be repeated with other seeds without editing a notebook (``make robust`` does).
+    """
+    text = os.environ.get("ATTNBOOK_SEED_OFFSET", "0").strip() or "0"
+    try:
+        offset = int(text)
+    except ValueError:
+        raise ValueError(f"ATTNBOOK_SEED_OFFSET must be a non-negative integer, got {text!r}") from None
+    if offset < 0:
+        raise ValueError(f"ATTNBOOK_SEED_OFFSET must be a non-negative integer, got {offset}")
+    return offset
+
+
+def _check_seed(seed) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy and PyTorch (CPU and every GPU) with ``seed + seed_offset()``, so a run repeats."""
+    _check_seed(seed)
+    seed = seed + seed_offset()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` (default CPU) seeded with ``seed + seed_offset()``.
+
+    Use it for the batches of an experiment, so that ``ATTNBOOK_SEED_OFFSET`` changes them too.
+    """
+    _check_seed(seed)
+    return torch.Generator(device=device if device is not None else "cpu").manual_seed(seed + seed_offset())
 
 
 def show_source(obj):
