@@ -77,6 +77,44 @@ def test_crossover_where_attention_and_recurrence_cost_the_same():
         assert cost.attention_core_flops(2 * n, d) > cost.recurrent_flops(2 * n, d)
 
 
+def test_whole_layer_crossover_with_elman_gru_and_lstm():
+    """Whole layers: attention 8nd^2 + 4n^2d against 4 gates n d^2 (GRU: n = d, LSTM: n = 2d, Elman: never)."""
+    for d in (16, 64, 512):
+        assert cost.layer_crossover_length(d, gates=3) == d
+        assert cost.layer_crossover_length(d, gates=4) == 2 * d
+        assert cost.layer_crossover_length(d, gates=1) is None
+        assert cost.layer_crossover_length(d, gates=2) is None
+        for gates in (3, 4, 6):
+            n = cost.layer_crossover_length(d, gates)
+            assert cost.attention_layer_flops(n, d) == cost.recurrent_flops(n, d, gates=gates)
+            assert cost.attention_layer_flops(n - 1, d) < cost.recurrent_flops(n - 1, d, gates=gates)
+            assert cost.attention_layer_flops(n + 1, d) > cost.recurrent_flops(n + 1, d, gates=gates)
+        for n in (1, 2, d, 10 * d):  # never cheaper than an Elman RNN (or a two-gate layer)
+            assert cost.attention_layer_flops(n, d) > cost.recurrent_flops(n, d, gates=2)
+    assert cost.layer_crossover_length(64, 4) == 128  # by hand: 8 d^2 + 4 n d = 16 d^2 -> n = 2d
+    with pytest.raises(ValueError, match="gates must be a positive int"):
+        cost.layer_crossover_length(64, 0)
+    with pytest.raises(ValueError, match="d must be a positive int"):
+        cost.layer_crossover_length(-1, 3)
+
+
+def test_gru_and_lstm_flops_equal_counted_flops():
+    """PyTorch's GRU (3 gates) and LSTM cell (4 gates) do exactly recurrent_flops(gates=3 / 4)."""
+    B, n, d, d_in = 2, 5, 8, 6
+    x = torch.randn(B, n, d_in)
+    with torch.no_grad():
+        assert counted_flops(lambda: nn.GRU(d_in, d, batch_first=True)(x)) == B * cost.recurrent_flops(
+            n, d, input_size=d_in, gates=3)
+        cell = nn.LSTMCell(d_in, d)  # (nn.LSTM's fused CPU kernel is invisible to the FLOP counter)
+
+        def run_lstm():
+            state = (torch.zeros(B, d), torch.zeros(B, d))
+            for t in range(n):
+                state = cell(x[:, t], state)
+
+        assert counted_flops(run_lstm) == B * cost.recurrent_flops(n, d, input_size=d_in, gates=4)
+
+
 def test_sequential_steps_and_path_length():
     assert cost.sequential_steps("self-attention", 1000) == 1
     assert cost.sequential_steps("recurrent", 1000) == 1000

@@ -17,8 +17,10 @@ recurrent (Elman) layer   n x (``W_x x_t + W_h h_{t-1}``)  ``n (2 d d_in + 2 d^2
 ========================  ===============================  ==========================
 
 So self-attention's own work grows as ``n^2 d`` and a recurrent layer's as ``n d^2``; the two are
-equal at ``n = d`` (:func:`crossover_length`). Attention needs ``O(1)`` sequential steps; a recurrent
-layer needs ``n`` of them, one per token.
+equal at ``n = d`` (:func:`crossover_length`, the comparison of Vaswani et al.'s Table 1). Whole layers,
+per token: attention ``8 d^2 + 4 n d`` against ``4 gates d^2``: never cheaper than an Elman RNN, equal to
+a GRU at ``n = d`` and to an LSTM at ``n = 2d`` (:func:`layer_crossover_length`). Attention needs
+``O(1)`` sequential steps; a recurrent layer needs ``n`` of them, one per token.
 
 Memory: the attention weights are ``h n^2`` numbers per layer and sequence
 (:func:`attention_weights_bytes`); a KV cache of ``T`` tokens is ``2 * layers * T * d`` numbers per
@@ -108,10 +110,23 @@ def recurrent_flops(n: int, d: int, input_size: int | None = None, gates: int = 
 
 
 def crossover_length(d: int) -> int:
-    """The length ``n`` where attention's ``4 n^2 d`` equals an Elman RNN's ``4 n d^2``: ``n = d``.
+    """The length ``n`` where attention's own ``4 n^2 d`` equals an Elman RNN's ``4 n d^2``: ``n = d``.
 
-    Shorter sequences (``n < d``, the usual case in the 2017 paper) make attention the cheaper layer."""
+    This is the comparison of Vaswani et al.'s Table 1: it leaves out attention's ``8 n d^2`` of
+    projections. For whole layers see :func:`layer_crossover_length`."""
     return _positive_int("d", d)
+
+
+def layer_crossover_length(d: int, gates: int) -> int | None:
+    """The length ``n`` where a whole self-attention layer costs as many FLOPs as a recurrent layer.
+
+    Per token, ``8 d^2 + 4 n d`` (:func:`attention_layer_flops` / ``n``) against ``gates * 4 d^2``
+    (:func:`recurrent_flops` / ``n``), equal at ``n = (gates - 2) d``: ``d`` for a GRU (``gates=3``),
+    ``2d`` for an LSTM (``gates=4``); shorter sequences make attention the cheaper layer. ``None``
+    for ``gates <= 2``: attention's projections alone cost ``8 d^2`` per token, as much as a
+    two-gate step and twice an Elman step (``gates=1``), so attention is never the cheaper layer."""
+    d, gates = _positive_int("d", d), _positive_int("gates", gates)
+    return (gates - 2) * d if gates > 2 else None
 
 
 def sequential_steps(kind: str, n: int) -> int:
@@ -351,6 +366,7 @@ __all__ = [
     "ffn_flops",
     "fit_power_law",
     "kv_cache_bytes",
+    "layer_crossover_length",
     "max_path_length",
     "measure",
     "measure_interleaved",
