@@ -7,6 +7,7 @@
 #   make execute   re-execute every notebook in place (NB=book/01_attention.ipynb for one)
 #   make robust    re-execute every notebook twice more, with other seeds and other CPU kernels,
 #                  into a temporary folder; fails if any cell raises (NB= works here too)
+#   make timings   execute every notebook into a temporary folder and print a table of their times
 #   make lint      ruff only
 #   make clean     remove the build and caches (keeps .venv)
 #
@@ -41,7 +42,7 @@ unexport MPLBACKEND
 # --all: rebuild every page, so that warnings of unchanged pages are reported again.
 JB_BUILD := $(BIN)/jupyter-book build --all --warningiserror --nitpick --keep-going .
 
-.PHONY: help venv book test unit nbval robust site lab execute lint clean
+.PHONY: help venv book test unit nbval robust timings site lab execute lint clean
 
 help:
 	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
@@ -72,6 +73,8 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory robust
 	$(JB_BUILD)
 	$(MAKE) --no-print-directory site
+	@echo; echo "Notebook times of the robust runs (make timings re-runs them with the normal settings):"; \
+		cat _build/robust-timings.md 2>/dev/null || echo '(no table: make robust did not finish)'
 
 unit: $(STAMP)
 	$(BIN)/pytest tests -q --ignore=tests/test_site.py
@@ -94,6 +97,14 @@ robust: $(STAMP)
 		ATEN_CPU_CAPABILITY=$$1 ATTNBOOK_SEED_OFFSET=$$2 \
 			$(BIN)/python scripts/execute_notebooks.py --out "$$out/$$1" $(NB) || status=1; \
 	done; \
+	mkdir -p _build; cat "$$out"/*/timings.md > _build/robust-timings.md 2>/dev/null || true; \
+	rm -rf "$$out"; exit $$status
+
+# Each notebook's execution time with the normal settings, as a table (the committed notebooks are
+# not touched).
+timings: $(STAMP)
+	@out=$$(mktemp -d); status=0; \
+	$(BIN)/python scripts/execute_notebooks.py --out "$$out" $(NB) || status=1; \
 	rm -rf "$$out"; exit $$status
 
 # The browser test of the built site (needs _build/html and Debian's chromium).

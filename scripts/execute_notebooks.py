@@ -3,7 +3,9 @@
 Usage: python scripts/execute_notebooks.py [--out DIR] [NOTEBOOK ...]   (default: every book/NN_*.ipynb)
 
 With ``--out DIR`` the executed notebooks are written to DIR and the originals are never touched
-(``make robust`` uses it); the notebooks still run with book/ as their working directory.
+(``make robust`` and ``make timings`` use it); the notebooks still run with book/ as their working
+directory. At the end a table gives each notebook's wall time, the machine it ran on, and flags
+any notebook over the 90 s budget; with ``--out`` the table is also saved as DIR/timings.md.
 
 Progress bars write carriage returns to stderr many times a second; before saving, consecutive
 stream outputs are merged and each line keeps only what a terminal would show after its last
@@ -12,6 +14,8 @@ carriage return, so the stored notebook holds each bar's final state once.
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 import sys
 import time
@@ -61,6 +65,36 @@ def execute(path: Path, out_dir: Path | None = None) -> float:
     return elapsed
 
 
+BUDGET_S = 90  # per notebook, on a 2-core CPU (DESIGN.md)
+
+
+def machine() -> str:
+    """CPU model, cores, torch version and the settings that change the kernels (for timing tables)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")
+    except Exception:
+        torch_version = "?"
+    names = ("ATEN_CPU_CAPABILITY", "ATTNBOOK_SEED_OFFSET")
+    settings = " ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
+    return f"{model}, {os.cpu_count()} cores, torch {torch_version}" + (f", {settings}" if settings else "")
+
+
+def timings_table(times: dict[str, float]) -> str:
+    lines = [f"Notebook execution times on {machine()}", "", "| notebook | seconds |", "| --- | ---: |"]
+    lines += [f"| {name} | {seconds:.1f}{' (over the 90 s budget)' if seconds > BUDGET_S else ''} |"
+              for name, seconds in times.items()]
+    lines.append(f"| all | {sum(times.values()):.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     out_dir = None
     if argv[:1] == ["--out"]:
@@ -71,7 +105,7 @@ def main(argv: list[str]) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         argv = argv[2:]
     paths = [Path(p) for p in argv] or sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
-    failed = []
+    failed, times = [], {}
     for path in paths:
         try:
             seconds = execute(path, out_dir)
@@ -81,6 +115,12 @@ def main(argv: list[str]) -> int:
             print(f"FAILED {path}: {message[-3000:]}", file=sys.stderr)
             continue
         print(f"{path}: executed in {seconds:.1f} s")
+        times[path.name] = seconds
+    if len(times) > 1:
+        table = timings_table(times)
+        print("\n" + table)
+        if out_dir is not None:
+            (out_dir / "timings.md").write_text(table + "\n")
     return 1 if failed else 0
 
 
