@@ -176,3 +176,144 @@ def test_memory_efficient_attention_bad_block_size():
     q = torch.randn(4, 2)
     with pytest.raises(ValueError, match="block_size"):
         memory_efficient_attention(q, q, q, block_size=0)
+
+
+# ----------------------------------------------------------------------------- is_causal, numerics (issue 12)
+
+
+def bottom_right_causal(tq, tk):
+    return torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1)
+
+
+@pytest.mark.parametrize("tq, tk", [(1, 1), (6, 6), (3, 8), (1, 5), (8, 3)])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_is_causal_equals_the_explicit_causal_mask(tq, tk, need_weights):
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 3, tq, 8), torch.randn(2, 3, tk, 8), torch.randn(2, 3, tk, 5)
+    explicit, _ = scaled_dot_product_attention(q, k, v, bottom_right_causal(tq, tk))
+    flagged, weights = scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=need_weights)
+    torch.testing.assert_close(flagged, explicit, atol=1e-5, rtol=1e-5)
+    if tq == tk:  # square: PyTorch's is_causal (top left) is the same mask
+        torch.testing.assert_close(flagged, F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                   atol=1e-5, rtol=1e-5)
+    padding = torch.zeros(2, 1, 1, tk, dtype=torch.bool)
+    padding[1, ..., 0] = True
+    both, _ = scaled_dot_product_attention(q, k, v, padding, is_causal=True, need_weights=need_weights)
+    expected, _ = scaled_dot_product_attention(q, k, v, padding | bottom_right_causal(tq, tk))
+    torch.testing.assert_close(both, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tq, tk, block, query_block", [(16, 16, 4, None), (10, 13, 4, 3), (7, 30, 8, 16),
+                                                        (33, 5, 2, 7), (64, 64, 16, 32), (9, 4, 3, 2)])
+def test_memory_efficient_is_causal_equals_the_explicit_mask(tq, tk, block, query_block):
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 3, tq, 8), torch.randn(2, 3, tk, 8), torch.randn(2, 3, tk, 6)
+    expected, _ = scaled_dot_product_attention(q, k, v, bottom_right_causal(tq, tk))
+    out = memory_efficient_attention(q, k, v, is_causal=True, block_size=block, query_block_size=query_block)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    padding = torch.rand(2, 1, 1, tk) < 0.3
+    expected, _ = scaled_dot_product_attention(q, k, v, padding | bottom_right_causal(tq, tk))
+    out = memory_efficient_attention(q, k, v, padding, is_causal=True, block_size=block, query_block_size=query_block)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_efficient_skips_future_blocks():
+    """With is_causal, the key blocks after a query block's last token are never multiplied."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(1, 1, 64, 8) for _ in range(3))
+    counts = {}
+    for causal in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            memory_efficient_attention(q, k, v, is_causal=causal, block_size=16)
+        counts[causal] = counter.get_total_flops()
+    # 4 x 4 blocks, of which 1 + 2 + 3 + 4 = 10 are computed with the causal mask; the FLOPs of the naive version
+    assert counts[False] == 4 * 64 * 64 * 8
+    assert counts[True] * 16 == counts[False] * 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_memory_efficient_low_precision(dtype):
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 40, 16).to(dtype) for _ in range(3))
+    out = memory_efficient_attention(q, k, v, is_causal=True, block_size=16)
+    assert out.dtype == dtype
+    expected, _ = scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_masked_softmax_without_mask_is_softmax():
+    scores = torch.randn(3, 4, 5)
+    torch.testing.assert_close(masked_softmax(scores), torch.softmax(scores, -1), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_gradients_through_a_fully_blocked_row_are_finite(dtype, kind, need_weights):
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    blocked = torch.zeros(4, 4, dtype=torch.bool)
+    blocked[1] = True  # query 1 sees nothing
+    blocked[2, 0] = True
+    mask = blocked if kind == "bool" else torch.zeros(4, 4).masked_fill(blocked, float("-inf"))
+    out, _ = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+    assert bool((out[:, 1] == 0).all())
+    out.float().pow(2).sum().backward()
+    for t in (q, k, v):
+        assert bool(torch.isfinite(t.grad).all())
+    assert bool((q.grad[:, 1] == 0).all())  # the blocked query has no influence on anything
+    if dtype == torch.float32:  # gradients of the other rows as without the blocked row
+        q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        keep = torch.tensor([0, 2, 3])
+        ref = F.scaled_dot_product_attention(q2[:, keep], k2, v2, attn_mask=~blocked[keep])
+        ref.pow(2).sum().backward()
+        torch.testing.assert_close(k.grad, k2.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v.grad, v2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_softmax_gradient_finite_for_float_mask():
+    scores = torch.randn(3, 4, requires_grad=True)
+    mask = torch.zeros(3, 4)
+    mask[0] = float("-inf")
+    weights = masked_softmax(scores, mask)
+    (weights * torch.randn(3, 4)).sum().backward()
+    assert bool(torch.isfinite(scores.grad).all()) and bool((scores.grad[0] == 0).all())
+
+
+def test_fully_blocked_row_decided_after_the_cast_to_the_query_dtype():
+    """-1e5 is finite in fp32 but -inf in fp16: a row of it is blocked for fp16 queries, on both paths."""
+    q, k, v = (torch.randn(1, 3, 4).half() for _ in range(3))
+    mask = torch.zeros(3, 3)
+    mask[0] = -1e5
+    for need_weights in (True, False):
+        out, _ = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+        assert bool(torch.isfinite(out).all()) and bool((out[:, 0] == 0).all())
+    assert bool((memory_efficient_attention(q, k, v, mask)[:, 0] == 0).all())
+
+
+def test_dtype_and_device_mismatch_errors_name_both():
+    q = torch.randn(2, 3, 4)
+    with pytest.raises(TypeError, match="q is torch.float32 but k is torch.float64"):
+        scaled_dot_product_attention(q, q.double(), q)
+    with pytest.raises(TypeError, match="q is torch.float32 but v is torch.float16"):
+        memory_efficient_attention(q, q, q.half())
+    meta = torch.randn(2, 3, 4, device="meta")
+    with pytest.raises(ValueError, match="q is on cpu but k is on meta"):
+        scaled_dot_product_attention(q, meta, q)
+    with pytest.raises(ValueError, match="mask is on meta but q is on cpu"):
+        scaled_dot_product_attention(q, q, q, torch.zeros(3, 3, dtype=torch.bool, device="meta"))
+
+
+def test_dropout_weights_are_returned_after_dropout():
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, 5, 4) for _ in range(3))
+    torch.manual_seed(8)
+    out, weights = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.testing.assert_close(out, weights @ v)
+    assert bool((weights == 0).any())  # some weights dropped, the rest scaled by 2
+    plain, clean = scaled_dot_product_attention(q, k, v)
+    kept = weights != 0
+    torch.testing.assert_close(weights[kept], 2 * clean[kept])
+    with pytest.raises(ValueError, match="dropout_p"):
+        scaled_dot_product_attention(q, k, v, dropout_p=1.0)

@@ -93,9 +93,9 @@ def test_feed_forward_dropout_only_in_training():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"d": 0}, "d and hidden must be positive ints"),
-    ({"d": 4, "hidden": 0}, "hidden=0"),
-    ({"d": 4.0}, "d=4.0"),
+    ({"d": 0}, "d must be a positive int, got 0"),
+    ({"d": 4, "hidden": 0}, "hidden must be a positive int, got 0"),
+    ({"d": 4.0}, "d must be a positive int, got 4.0"),
     ({"d": 4, "activation": "tanh"}, "activation must be one of.*'tanh'"),
 ])
 def test_feed_forward_bad_arguments_raise(kwargs, match):
@@ -391,3 +391,52 @@ def test_load_from_torch_with_wrong_sizes_raises():
         DecoderBlock(16, 4).load_from_torch(nn.TransformerDecoderLayer(16, 2, 64, batch_first=True))
     with pytest.raises(RuntimeError, match="size mismatch"):  # feed-forward widths differ
         EncoderBlock(16, 4, hidden=32).load_from_torch(nn.TransformerEncoderLayer(16, 4, 64, batch_first=True))
+
+
+# ----------------------------------------------------------------------------- issue 12
+
+
+@pytest.mark.parametrize("block_class", ["encoder", "decoder"])
+def test_is_causal_equals_the_causal_mask(block_class):
+    torch.manual_seed(21)
+    x, memory = torch.randn(2, 6, 16), torch.randn(2, 4, 16)
+    if block_class == "encoder":
+        block = EncoderBlock(16, 4, norm="pre").eval()
+        expected, flagged = block(x, causal_mask(6)), block(x, is_causal=True)
+    else:
+        block = DecoderBlock(16, 4, norm="pre").eval()
+        expected, flagged = block(x, memory, causal_mask(6)), block(x, memory, is_causal=True)
+    torch.testing.assert_close(flagged, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_block_arguments_after_dropout_are_keyword_only():
+    with pytest.raises(TypeError):
+        EncoderBlock(16, 4, None, 0.0, "gelu")
+    with pytest.raises(TypeError):
+        DecoderBlock(16, 4, None, 0.0, "gelu")
+
+
+def test_weights_kept_only_when_recorded():
+    block = EncoderBlock(16, 4).eval()
+    x = torch.randn(1, 3, 16)
+    block(x)
+    assert block.weights is None
+    block.record_weights = True
+    block(x)
+    assert block.weights.shape == (1, 4, 3, 3)
+
+
+@pytest.mark.parametrize("block_class, torch_class", [(EncoderBlock, nn.TransformerEncoderLayer),
+                                                      (DecoderBlock, nn.TransformerDecoderLayer)])
+def test_load_from_torch_checks_norm_activation_and_eps(block_class, torch_class):
+    reference = torch_class(16, 4, 64, batch_first=True)
+    with pytest.raises(ValueError, match="norm_first=True"):
+        block_class(16, 4).load_from_torch(torch_class(16, 4, 64, batch_first=True, norm_first=True))
+    with pytest.raises(ValueError, match="activation"):
+        block_class(16, 4, activation="gelu").load_from_torch(reference)
+    with pytest.raises(ValueError, match="layer_norm_eps"):
+        block_class(16, 4, layer_norm_eps=1e-6).load_from_torch(reference)
+    with pytest.raises(ValueError, match="activation"):  # tanh-approximated GELU is another function
+        block_class(16, 4, activation="gelu").load_from_torch(
+            torch_class(16, 4, 64, batch_first=True, activation=nn.GELU(approximate="tanh")))
+    block_class(16, 4, activation="gelu").load_from_torch(torch_class(16, 4, 64, batch_first=True, activation="gelu"))

@@ -166,3 +166,41 @@ def test_shuffled_lines_keep_the_characters(text):
     for original, shown, label in zip(lines[:2000], texts, labels.tolist(), strict=True):
         assert sorted(shown) == sorted(original)  # the same characters: only the order can tell
         assert (shown != original) == bool(label)
+
+
+def test_plain_words():
+    assert data.plain_words("Nay, answer me: stand, and unfold yourself.") == "nay answer me stand and unfold yourself"
+    assert data.plain_words("'Tis I -- O, 'tis I! Don't") == "tis i o tis i don't"
+    assert data.plain_words("?!") == ""
+    with pytest.raises(TypeError):
+        data.plain_words(3)
+
+
+def test_plain_verse_lines_carry_no_capitals_or_punctuation(text):
+    lines = data.verse_lines(text, plain=True)
+    assert len(lines) > 10_000
+    assert all(line == data.plain_words(line) and len(set(line.split())) >= 4 for line in lines)
+    texts, labels = data.shuffled_lines(lines[:2000], seed=0)
+    for original, shown, label in zip(lines[:2000], texts, labels.tolist(), strict=True):
+        assert sorted(shown.split()) == sorted(original.split())
+        assert (shown != original) == bool(label)
+    with pytest.raises(ValueError, match="min_words"):
+        data.verse_lines(text, min_words=1)
+
+
+def test_shuffled_lines_rejects_a_line_that_cannot_be_shuffled():
+    with pytest.raises(ValueError, match="2 distinct words"):
+        data.shuffled_lines(["to be", "o o o"])
+
+
+def test_mask_tokens_never_touches_padding_or_special_tokens():
+    """Specials (ids below first_ordinary: padding, <cls>, the mask itself) are never chosen."""
+    ids = torch.randint(0, 40, (100, 60), generator=torch.Generator().manual_seed(3))
+    ids[:, 40:] = 0  # padding
+    inputs, targets = data.mask_tokens(ids, mask_id=1, vocab_size=40, first_ordinary=5, prob=0.5,
+                                       generator=torch.Generator().manual_seed(4))
+    special = ids < 5
+    assert bool((targets[special] == -100).all())
+    assert torch.equal(inputs[special], ids[special])  # padding and specials stay exactly as they were
+    chosen = targets != -100
+    assert 0.45 < chosen[~special].float().mean().item() < 0.55  # ordinary tokens still chosen at prob

@@ -132,7 +132,7 @@ def test_encoder_decoder_computes_cross_attention_keys_once(seq2seq):
          r"prompt of 40 tokens \+ max_new_tokens=9 exceeds max_len=48"),
         (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0, got -1"),
         (dict(max_new_tokens=2.0), ValueError, "max_new_tokens must be an int >= 0, got 2.0"),
-        (dict(temperature=-0.5), ValueError, "temperature must be >= 0, got -0.5"),
+        (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0, got -0.5"),
         (dict(prompt=torch.zeros(1, 0, dtype=torch.long)), ValueError, "non-empty"),
         (dict(prompt=torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, r"got \(1, 2, 3\)"),
         (dict(prompt=torch.tensor([[1, VOCAB]])), ValueError, r"token ids must lie in \[0, 17\)"),
@@ -162,3 +162,73 @@ def test_caches_follow_the_model_dtype_and_reject_another():
         model(torch.zeros(1, 2, dtype=torch.long), caches)
     model.double()
     assert model.make_caches(1)[0].keys.dtype == torch.float64
+
+
+# ----------------------------------------------------------------------------- issue 12
+
+
+def test_generated_tokens_can_feed_a_training_step(gpt):
+    """no_grad, not inference mode: the tokens are ordinary tensors a backward pass may use."""
+    tokens = generate(gpt, torch.tensor([[1, 2]]), 5)
+    assert not tokens.is_inference()
+    logits = gpt(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    assert gpt.lm_head.weight.grad is not None
+    gpt.zero_grad(set_to_none=True)
+
+
+def test_training_mode_restored_after_an_error(gpt):
+    gpt.train()
+    try:
+        with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+            generate(gpt, torch.tensor([[1]]), 2, temperature=1.0, generator=3)
+        assert gpt.training
+        with pytest.raises(ValueError, match="source batch size|source has batch size"):
+            generate(EncoderDecoderModel(SRC_VOCAB, VOCAB, 8, 2, 1, 1, 10).train(), torch.tensor([[1]]), 2,
+                     source=torch.tensor([[1, 2], [3, 4]]))
+    finally:
+        gpt.eval()
+
+
+def test_generate_does_not_read_back_per_token(gpt, monkeypatch):
+    """The range check of the ids (a host read-back on a GPU) runs once, on the prompt."""
+    import attnbook.utils
+
+    calls = []
+    original = torch.aminmax
+    monkeypatch.setattr(attnbook.utils.torch, "aminmax", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for use_cache in (True, False):
+        calls.clear()
+        generate(gpt, torch.tensor([[1, 2, 3]]), 10, use_cache=use_cache)
+        assert len(calls) == 1
+
+
+def test_source_and_mask_are_moved_and_cast(seq2seq):
+    source = [[1, 2, 3, 0], [4, 5, 0, 0]]
+    padding = [[0, 0, 0, 1], [0, 0, 1, 1]]
+    start = torch.zeros(2, 1, dtype=torch.long)
+    out = generate(seq2seq, start, 4, source=torch.tensor(source, dtype=torch.int32), source_padding_mask=padding)
+    expected = generate(seq2seq, start, 4, source=torch.tensor(source),
+                        source_padding_mask=torch.tensor(padding, dtype=torch.bool))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), "hot", True])
+def test_temperature_validated(gpt, temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        generate(gpt, torch.tensor([[1]]), 2, temperature=temperature)
+    with pytest.raises(ValueError, match="temperature"):
+        next_token(torch.randn(1, 5), temperature)
+
+
+def test_gpt_without_mask_tensor_equals_explicit_causal_mask(gpt):
+    """GPT passes is_causal to its blocks; the blocks with an explicit causal mask give the same logits."""
+    from attnbook import causal_mask
+
+    idx = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        x = gpt.positions(gpt.token_embedding(idx))
+        for block in gpt.blocks:
+            x = block(x, causal_mask(11))
+        torch.testing.assert_close(gpt(idx), gpt.lm_head(gpt.final_norm(x)), atol=1e-5, rtol=1e-5)

@@ -58,3 +58,25 @@ def test_combine_masks_is_a_broadcast_or():
     assert combine_masks(None, None) is None
     with pytest.raises(TypeError, match="bool"):
         combine_masks(causal, torch.zeros(3, 3))
+
+
+def test_causal_mask_after_is_the_bottom_right_block_of_the_causal_mask():
+    from attnbook.masks import causal_mask_after
+
+    for start, new in [(0, 3), (4, 2), (5, 4)]:
+        assert torch.equal(causal_mask_after(start, new), causal_mask(start + new)[start:])
+    assert causal_mask_after(7, 1) is None
+    with pytest.raises(ValueError, match="start"):
+        causal_mask_after(-1, 2)
+    with pytest.raises(ValueError, match="new must be a positive int"):
+        causal_mask_after(0, 0)
+
+
+def test_attention_mask_for_heads_lives_in_masks():
+    from attnbook.masks import attention_mask_for_heads
+    from attnbook.multihead import attention_mask_for_heads as reexported
+
+    assert reexported is attention_mask_for_heads
+    padding = padding_mask([2, 3], 3)
+    combined = attention_mask_for_heads(causal_mask(3), padding, 2)
+    assert torch.equal(combined, causal_mask(3) | padding[:, None, None, :])

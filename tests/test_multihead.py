@@ -290,7 +290,7 @@ def test_indivisible_heads_raise_naming_both(d_model, num_heads):
 
 @pytest.mark.parametrize("d_model, num_heads", [(0, 1), (8, 0), (-8, 2), (8.0, 2), (8, "2")])
 def test_non_positive_or_non_int_sizes_raise(d_model, num_heads):
-    with pytest.raises(ValueError, match="positive ints"):
+    with pytest.raises(ValueError, match="must be a positive int"):
         MultiHeadAttention(d_model, num_heads)
 
 
@@ -478,7 +478,7 @@ def test_kv_cache_nbytes(B, h, max_len, head_dim, dtype):
 
 @pytest.mark.parametrize("max_len", [0, -1])
 def test_kv_cache_non_positive_length_raises(max_len):
-    with pytest.raises(ValueError, match=f"max_len must be >= 1, got {max_len}"):
+    with pytest.raises(ValueError, match=f"max_len must be a positive int, got {max_len}"):
         KVCache(1, 1, max_len, 4)
 
 
@@ -663,7 +663,7 @@ def test_load_from_torch_with_bias_mismatch_raises(ours_bias, reference_bias):
 
 
 def test_wide_bad_inputs_raise():
-    with pytest.raises(ValueError, match="positive ints"):
+    with pytest.raises(ValueError, match="must be a positive int"):
         WideMultiHeadAttention(8, 0)
     wide = WideMultiHeadAttention(8, 2)
     x = torch.randn(2, 3, 8)
@@ -673,3 +673,39 @@ def test_wide_bad_inputs_raise():
         wide(x, torch.randn(1, 3, 8), torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="same length"):
         wide(x, x, torch.randn(2, 4, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12: is_causal, dropout as one computation
+
+
+def test_is_causal_equals_the_causal_mask_and_pytorch():
+    torch.manual_seed(11)
+    reference = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    ours = MultiHeadAttention(16, 4).load_from_torch(reference).eval()
+    x = torch.randn(2, 7, 16)
+    expected, expected_weights = reference(x, x, x, attn_mask=causal_mask(7), average_attn_weights=False)
+    for need_weights in (True, False):
+        out, weights = ours(x, x, x, is_causal=True, need_weights=need_weights)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        if need_weights:
+            torch.testing.assert_close(weights, expected_weights, atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_matches_nn_multihead_attention_and_returns_dropped_weights():
+    """Same seed, same dropout mask: PyTorch drops the (B, h, Tq, Tk) weights once, as we do."""
+    torch.manual_seed(12)
+    reference = nn.MultiheadAttention(16, 4, dropout=0.5, batch_first=True)
+    ours = MultiHeadAttention(16, 4, dropout=0.5).load_from_torch(reference)
+    x = torch.randn(2, 5, 16)
+    torch.manual_seed(13)
+    expected, expected_weights = reference(x, x, x, average_attn_weights=False)
+    torch.manual_seed(13)
+    out, weights = ours(x, x, x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-5, rtol=1e-5)
+    assert bool((weights == 0).any()) and weights.max() > 1 / 5  # dropped and rescaled by 1 / (1 - p)
+    out, none = ours(x, x, x, need_weights=False)  # the fused kernel's dropout: no weights
+    assert none is None and out.shape == (2, 5, 16)
+    with pytest.raises(ValueError, match="dropout"):
+        MultiHeadAttention(16, 4, dropout=1.5)

@@ -48,3 +48,26 @@ def test_seed_offset_shifts_every_seed(monkeypatch):
             seed_everything(0)
     with pytest.raises(ValueError, match="non-negative int"):
         generator(-3)
+
+
+def test_check_positive_int():
+    import numpy as np
+    from attnbook.utils import check_positive_int
+
+    assert check_positive_int("n", 3) == 3 and check_positive_int("n", np.int64(4)) == 4
+    for bad in (0, -1, 2.0, True, "3", None):
+        with pytest.raises(ValueError, match="n must be a positive int"):
+            check_positive_int("n", bad)
+
+
+def test_check_token_ids():
+    from attnbook.utils import check_token_ids
+
+    check_token_ids(torch.tensor([[0, 4]]), 5, 2)
+    with pytest.raises(ValueError, match="LongTensor"):
+        check_token_ids(torch.tensor([[0.0]]), 5)
+    with pytest.raises(ValueError, match="exceeds max_len=2"):
+        check_token_ids(torch.tensor([[0]]), 5, 2, start=2)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 5\), got range \[0, 5\]"):
+        check_token_ids(torch.tensor([[0, 5]]), 5)
+    check_token_ids(torch.tensor([[0, 5]]), 5, check_range=False)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .utils import check_positive_int
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -43,6 +45,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} must have at least 2 dims (..., T, d), got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one dtype: q is {q.dtype} but {name} is {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"q, k and v must be on one device: q is on {q.device} but {name} is on {t.device}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q and k must have the same feature size d, got q {tuple(q.shape)} and k {tuple(k.shape)}"
@@ -55,14 +62,17 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not broadcast")
 
 
-def check_mask(mask: torch.Tensor, scores_shape: tuple[int, ...]) -> None:
-    """Raise a clear error unless ``mask`` is bool or float and broadcasts to ``scores_shape``."""
+def check_mask(mask: torch.Tensor, scores_shape: tuple[int, ...], device: torch.device | None = None) -> None:
+    """Raise a clear error unless ``mask`` is bool or float, broadcasts to ``scores_shape`` and
+    (when ``device`` is given) lies on ``device``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
             f"mask must be bool (True = blocked) or float (added to the scores), got dtype {mask.dtype}"
         )
+    if device is not None and mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}: move the mask to the same device")
     scores_shape = tuple(scores_shape)
     if _broadcast(mask.shape, scores_shape) != scores_shape:
         raise ValueError(
@@ -74,58 +84,113 @@ def _scores_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
     return (*_broadcast(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
 
 
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _causal_mask(n_q: int, n_k: int, device) -> torch.Tensor:
+    """``(Tq, Tk)`` bool, True above the diagonal that ends at the bottom-right corner: query ``i``
+    is token ``Tk - Tq + i`` of the sequence and sees keys ``0 .. Tk - Tq + i`` (as with a KV cache)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).triu(diagonal=n_k - n_q + 1)
+
+
+def _with_causal(mask: torch.Tensor | None, n_q: int, n_k: int, device) -> torch.Tensor | None:
+    """``mask`` with the causal mask added (None when a single query may see every key)."""
+    if n_q == 1 and n_k >= 1 and mask is None:
+        return None
+    causal = _causal_mask(n_q, n_k, device)  # (Tq, Tk)
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask | causal
+    return mask.masked_fill(causal, float("-inf"))
+
+
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last dim with ``mask`` applied before it (``-inf`` where blocked).
 
-    Rows whose entries are all blocked give weights 0 instead of NaN.
+    Rows whose entries are all blocked give weights 0 instead of NaN (one ``masked_fill`` after the
+    softmax); their gradients are 0, not NaN. Without a mask it is a plain softmax, with no copy.
+    A float mask is cast to the scores' dtype first; an entry that becomes ``-inf`` then is blocked.
     """
-    if mask is not None:
-        check_mask(mask, scores.shape)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(mask, float("-inf"))
-        else:
-            scores = scores + mask.to(scores.dtype)
-    blocked_row = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    weights = torch.softmax(scores.masked_fill(blocked_row, 0.0), dim=-1)
-    return weights.masked_fill(blocked_row, 0.0)
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    check_mask(mask, scores.shape, scores.device)
+    if mask.dtype == torch.bool:
+        blocked = mask
+        scores = scores.masked_fill(mask, float("-inf"))  # (..., Tq, Tk)
+    else:
+        mask = mask.to(scores.dtype)
+        blocked = torch.isneginf(mask)
+        # the masked_fill_ stops the gradient at blocked entries (a fully blocked row's softmax is NaN)
+        scores = (scores + mask).masked_fill_(blocked, float("-inf"))  # (..., Tq, Tk)
+    blocked_row = blocked.all(dim=-1, keepdim=True)  # (..., Tq, 1) on the mask's own shape
+    weights = torch.softmax(scores, dim=-1)  # NaN in fully blocked rows
+    if torch.is_grad_enabled() and weights.requires_grad:
+        return weights.masked_fill(blocked_row, 0.0)
+    return weights.masked_fill_(blocked_row, 0.0)
 
 
-def scaled_dot_product_attention(q, k, v, mask=None, *, need_weights: bool = True):
+def scaled_dot_product_attention(q, k, v, mask=None, *, need_weights: bool = True, is_causal: bool = False,
+                                 dropout_p: float = 0.0):
     """Scaled dot-product attention ``softmax(q k^T / sqrt(d) + mask) v``.
 
-    q ``(..., Tq, d)``, k ``(..., Tk, d)``, v ``(..., Tk, dv)``; mask bool (``True`` = blocked) or
-    float (added), broadcasting to ``(..., Tq, Tk)``.
-    Returns ``(out (..., Tq, dv), weights (..., Tq, Tk))``. With ``need_weights=False`` the
-    fused ``F.scaled_dot_product_attention`` computes ``out`` and ``weights`` is ``None``.
+    q ``(..., Tq, d)``, k ``(..., Tk, d)``, v ``(..., Tk, dv)``, all of one dtype and device; mask bool
+    (``True`` = blocked) or float (added, after a cast to q's dtype), broadcasting to ``(..., Tq, Tk)``.
+    ``is_causal=True`` also blocks the future: query ``i`` is token ``Tk - Tq + i`` and sees keys up to
+    it (aligned to the bottom right, as with a KV cache; ``F.scaled_dot_product_attention`` aligns it
+    to the top left when ``Tq < Tk``). ``dropout_p`` drops attention weights (pass it only in training).
+    Returns ``(out (..., Tq, dv), weights (..., Tq, Tk))``, the weights after dropout. With
+    ``need_weights=False`` the fused ``F.scaled_dot_product_attention`` computes ``out`` and
+    ``weights`` is ``None``.
 
     In fp16/bf16 the scores and the softmax are computed in fp32, so large scores stay finite.
     """
     _check_qkv(q, k, v)
+    dropout_p = _check_dropout(dropout_p)
     scores_shape = _scores_shape(q, k)
     if mask is not None:
-        check_mask(mask, scores_shape)
+        check_mask(mask, scores_shape, q.device)
+        if mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)  # fully blocked rows are decided in q's dtype, on every path
+    n_q, n_k = q.shape[-2], k.shape[-2]
     if not need_weights:
-        return _fused_attention(q, k, v, mask), None
+        if is_causal and mask is None and n_q == n_k:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True), None
+        if is_causal:
+            mask = _with_causal(mask, n_q, n_k, q.device)
+        return _fused_attention(q, k, v, mask, dropout_p), None
+    if is_causal:
+        mask = _with_causal(mask, n_q, n_k, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if q.dtype in _LOW_PRECISION:
         scores = (q.float() * scale) @ k.float().transpose(-2, -1)  # (..., Tq, Tk) in fp32
     else:
         scores = (q * scale) @ k.transpose(-2, -1)  # (..., Tq, Tk)
     weights = masked_softmax(scores, mask).to(v.dtype)  # (..., Tq, Tk)
+    if dropout_p > 0:
+        weights = F.dropout(weights, dropout_p)  # (..., Tq, Tk), what the values are averaged with
     return weights @ v, weights  # (..., Tq, dv)
 
 
-def _fused_attention(q, k, v, mask):
-    """The fast path: PyTorch's fused kernel, with our mask meaning and zero for blocked rows."""
+def _fused_attention(q, k, v, mask, dropout_p=0.0):
+    """The fast path: PyTorch's fused kernel, with our mask meaning and zero for blocked rows.
+
+    A fully blocked row is unblocked for the kernel (which may give NaN or a NaN gradient for it)
+    and its output set to 0 afterwards, so its gradients are 0. A float mask is already in q's dtype."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     if mask.dtype == torch.bool:
-        blocked_row = mask.all(dim=-1, keepdim=True)  # broadcasts to (..., Tq, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)  # torch: True = keep
+        blocked_row = mask.all(dim=-1, keepdim=True)  # (..., Tq, 1)
+        keep = ~mask | blocked_row  # torch: True = keep
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
     else:
-        blocked_row = torch.isneginf(mask).all(dim=-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
-    return out.masked_fill(blocked_row, 0.0)  # some kernels give NaN for a fully blocked row
+        blocked_row = torch.isneginf(mask).all(dim=-1, keepdim=True)  # (..., Tq, 1), in q's dtype
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.masked_fill(blocked_row, 0.0),
+                                             dropout_p=dropout_p)
+    return out.masked_fill(blocked_row, 0.0)  # (..., Tq, dv)
 
 
 class AdditiveAttention(nn.Module):
@@ -138,8 +203,7 @@ class AdditiveAttention(nn.Module):
     def __init__(self, query_size: int, key_size: int, hidden_size: int):
         super().__init__()
         for name, size in (("query_size", query_size), ("key_size", key_size), ("hidden_size", hidden_size)):
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must be a positive int, got {size!r}")
+            check_positive_int(name, size)
         self.W_q = nn.Linear(query_size, hidden_size, bias=False)
         self.W_k = nn.Linear(key_size, hidden_size, bias=False)
         self.w_v = nn.Linear(hidden_size, 1, bias=False)
@@ -157,53 +221,73 @@ class AdditiveAttention(nn.Module):
         return weights @ value, weights
 
 
-def memory_efficient_attention(q, k, v, mask=None, *, block_size: int = 1024):
+def memory_efficient_attention(q, k, v, mask=None, *, block_size: int = 1024, query_block_size: int | None = None,
+                               is_causal: bool = False):
     """Attention that never stores the ``Tq x Tk`` score matrix: keys in blocks, online softmax.
 
-    Queries are processed ``block_size`` at a time; for each query block the keys are visited
-    ``block_size`` at a time, keeping a running max ``m``, a running denominator ``l`` and a
-    running numerator ``acc`` per query (the online softmax of Milakov & Gimelshein, 2018, as in
-    FlashAttention). Peak extra memory is ``O(block_size^2)`` per batch element instead of
-    ``O(Tq Tk)``. Same arguments and mask rules as :func:`scaled_dot_product_attention`; returns
-    only the output ``(..., Tq, dv)``.
+    Queries are processed ``query_block_size`` (default ``block_size``) at a time, all batch and head
+    dims in one batched product; for each query block the keys are visited ``block_size`` at a time,
+    keeping a running max ``m``, a running denominator ``l`` and a running numerator ``acc`` per
+    query (the online softmax of Milakov & Gimelshein, 2018, as in FlashAttention), updated in place.
+    Peak extra memory is one block of scores, ``batch x query_block_size x block_size``, plus the
+    output, instead of ``O(Tq Tk)``; the products, and so the FLOPs, are those of the naive version.
+
+    Same arguments and mask rules as :func:`scaled_dot_product_attention`. With ``is_causal=True`` a
+    block's causal mask is built on the fly, and key blocks entirely in the future are skipped.
+    Returns only the output ``(..., Tq, dv)``.
     """
     _check_qkv(q, k, v)
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    block_size = check_positive_int("block_size", block_size)
+    query_block_size = block_size if query_block_size is None else check_positive_int("query_block_size",
+                                                                                       query_block_size)
     scores_shape = _scores_shape(q, k)
     if mask is not None:
-        check_mask(mask, scores_shape)
+        check_mask(mask, scores_shape, q.device)
         mask = mask.expand(scores_shape)  # a view: no memory
     batch = scores_shape[:-2]
-    q = q.expand(*batch, *q.shape[-2:])
-    k = k.expand(*batch, *k.shape[-2:])
-    v = v.expand(*batch, *v.shape[-2:])
-    compute_dtype = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    outputs = []
-    for q_start in range(0, n_q, block_size):
-        q_block = q[..., q_start : q_start + block_size, :].to(compute_dtype) * scale  # (..., bq, d)
-        rows = q_block.shape[-2]
-        m = q_block.new_full((*batch, rows, 1), float("-inf"))  # running max of the scores
-        l = q_block.new_zeros((*batch, rows, 1))  # running sum of exp(score - m)  # noqa: E741
-        acc = q_block.new_zeros((*batch, rows, v.shape[-1]))  # running sum of exp(score - m) v
-        for k_start in range(0, n_k, block_size):
-            k_block = k[..., k_start : k_start + block_size, :].to(compute_dtype)  # (..., bk, d)
-            v_block = v[..., k_start : k_start + block_size, :].to(compute_dtype)  # (..., bk, dv)
-            scores = q_block @ k_block.transpose(-2, -1)  # (..., bq, bk)
+    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    in_dtype = q.dtype
+    compute_dtype = torch.float32 if in_dtype in _LOW_PRECISION else in_dtype
+    scale = 1.0 / math.sqrt(d)
+    q = q.expand(*batch, n_q, d).reshape(-1, n_q, d).to(compute_dtype)  # (N, Tq, d), N = product of batch
+    k_t = k.expand(*batch, n_k, d).reshape(-1, n_k, d).to(compute_dtype).transpose(1, 2)  # (N, d, Tk)
+    v = v.expand(*batch, n_k, dv).reshape(-1, n_k, dv).to(compute_dtype)
+    out = q.new_empty(q.shape[0], n_q, dv)  # (N, Tq, dv)
+    offset = n_k - n_q  # query i is token offset + i (causal masks align to the bottom right)
+    for q_start in range(0, n_q, query_block_size):
+        rows = min(query_block_size, n_q - q_start)
+        q_block = q[:, q_start : q_start + rows]  # (N, bq, d)
+        last_key = n_k if not is_causal else max(0, min(n_k, q_start + rows + offset))  # later keys: future
+        m = l = acc = None  # noqa: E741
+        for k_start in range(0, last_key, block_size):
+            cols = min(block_size, n_k - k_start)
+            scores = torch.baddbmm(q_block.new_empty(()), q_block, k_t[:, :, k_start : k_start + cols],
+                                   beta=0.0, alpha=scale)  # (N, bq, bk)
             if mask is not None:
-                block_mask = mask[..., q_start : q_start + rows, k_start : k_start + block_size]
+                block_mask = mask[..., q_start : q_start + rows, k_start : k_start + cols].reshape(-1, rows, cols)
                 if block_mask.dtype == torch.bool:
-                    scores = scores.masked_fill(block_mask, float("-inf"))
+                    scores.masked_fill_(block_mask, float("-inf"))
                 else:
-                    scores = scores + block_mask.to(compute_dtype)
-            m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # rows blocked so far: no NaN
-            p = torch.exp(scores - m_safe)  # (..., bq, bk)
-            correction = torch.exp(m - m_safe)  # rescales what was summed under the old max
-            l = l * correction + p.sum(dim=-1, keepdim=True)  # noqa: E741
-            acc = acc * correction + p @ v_block
+                    scores.add_(block_mask.to(in_dtype).to(compute_dtype))  # -inf decided in q's dtype
+            if is_causal and k_start + cols - 1 > q_start + offset:  # the block reaches into the future
+                query_pos = torch.arange(q_start + offset, q_start + offset + rows, device=q.device)
+                key_pos = torch.arange(k_start, k_start + cols, device=q.device)
+                scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))  # built on the fly
+            block_max = scores.amax(dim=-1, keepdim=True)  # (N, bq, 1)
+            m_new = block_max if m is None else torch.maximum(m, block_max)
+            m_safe = m_new.nan_to_num(neginf=0.0)  # rows blocked so far: exp(-inf - 0) = 0, no NaN
+            p = scores.sub_(m_safe).exp_()  # (N, bq, bk), in place
+            v_block = v[:, k_start : k_start + cols]  # (N, bk, dv)
+            if acc is None:
+                l, acc = p.sum(dim=-1, keepdim=True), torch.bmm(p, v_block)  # (N, bq, 1), (N, bq, dv)  # noqa: E741
+            else:  # rescale what was summed under the old max, then add this block
+                correction = (m - m_safe).exp_()  # (N, bq, 1)
+                l = l.mul_(correction).add_(p.sum(dim=-1, keepdim=True))  # noqa: E741
+                acc = torch.baddbmm(acc.mul_(correction), p, v_block)
             m = m_new
-        outputs.append(acc / l.clamp_min(torch.finfo(compute_dtype).tiny))  # blocked rows: 0 / tiny = 0
-    return torch.cat(outputs, dim=-2).to(v.dtype)
+            del scores, p  # free this block before the next one is allocated: one block at a time
+        if acc is None:  # no key visible to this whole block
+            out[:, q_start : q_start + rows] = 0.0
+            continue
+        torch.div(acc, l.clamp_min_(torch.finfo(compute_dtype).tiny), out=out[:, q_start : q_start + rows])  # 0 / tiny
+    return out.reshape(*batch, n_q, dv).to(in_dtype)  # (..., Tq, dv)

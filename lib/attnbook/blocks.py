@@ -8,9 +8,11 @@ Every block maps ``(B, T, d)`` to ``(B, T, d)``: each token keeps its own vector
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .multihead import MultiHeadAttention
+from .utils import check_positive_int
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 
@@ -30,9 +32,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d: int, hidden: int | None = None, activation: str = "relu", dropout: float = 0.0):
         super().__init__()
-        hidden = 4 * d if hidden is None else hidden
-        if not isinstance(d, int) or not isinstance(hidden, int) or d < 1 or hidden < 1:
-            raise ValueError(f"d and hidden must be positive ints, got d={d!r}, hidden={hidden!r}")
+        d = check_positive_int("d", d)
+        hidden = 4 * d if hidden is None else check_positive_int("hidden", hidden)
         _check_choices("post", activation)
         self.fc1 = nn.Linear(d, hidden)
         self.activation = ACTIVATIONS[activation]()
@@ -46,16 +47,17 @@ class FeedForward(nn.Module):
 class EncoderBlock(nn.Module):
     """Self-attention then a feed-forward network, each inside a residual connection with LayerNorm.
 
-    ``forward(x (B, T, d), mask=None, key_padding_mask=None, cache=None) -> (B, T, d)``. With a causal
-    ``mask`` (and a :class:`~attnbook.multihead.KVCache`) it is also the block of a decoder-only model.
+    ``forward(x (B, T, d), mask=None, key_padding_mask=None, cache=None, is_causal=False) -> (B, T, d)``.
+    With ``is_causal=True`` (or a causal ``mask``), and a :class:`~attnbook.multihead.KVCache`, it is also
+    the block of a decoder-only model. Arguments after ``dropout`` are keyword-only.
     Set ``record_weights = True`` to keep the last per-head attention weights in ``self.weights``.
     """
 
-    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, activation="relu", norm="post",
+    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, *, activation="relu", norm="post",
                  layer_norm_eps=1e-5, attention_class=MultiHeadAttention):
         super().__init__()
         _check_choices(norm, activation)
-        self.norm_position = norm
+        self.norm_position, self.activation_name = norm, activation
         self.self_attention = attention_class(d_model, num_heads, dropout=dropout)
         self.feed_forward = FeedForward(d_model, hidden, activation, dropout)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
@@ -65,22 +67,24 @@ class EncoderBlock(nn.Module):
         self.record_weights = False
         self.weights = None
 
-    def _attend(self, x, mask, key_padding_mask, cache):
+    def _attend(self, x, mask, key_padding_mask, cache, is_causal):
         out, weights = self.self_attention(x, x, x, mask, key_padding_mask=key_padding_mask,
-                                           need_weights=self.record_weights, cache=cache)
-        self.weights = weights
+                                           need_weights=self.record_weights, cache=cache, is_causal=is_causal)
+        self.weights = weights  # None unless record_weights
         return self.dropout1(out)
 
-    def forward(self, x, mask=None, *, key_padding_mask=None, cache=None):
+    def forward(self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=False):
         if self.norm_position == "post":
-            x = self.norm1(x + self._attend(x, mask, key_padding_mask, cache))  # add & norm
+            x = self.norm1(x + self._attend(x, mask, key_padding_mask, cache, is_causal))  # add & norm
             return self.norm2(x + self.dropout2(self.feed_forward(x)))
-        x = x + self._attend(self.norm1(x), mask, key_padding_mask, cache)
+        x = x + self._attend(self.norm1(x), mask, key_padding_mask, cache, is_causal)
         return x + self.dropout2(self.feed_forward(self.norm2(x)))
 
     @torch.no_grad()
     def load_from_torch(self, reference: nn.TransformerEncoderLayer) -> EncoderBlock:
-        """Copy the weights of an ``nn.TransformerEncoderLayer`` of the same sizes."""
+        """Copy the weights of an ``nn.TransformerEncoderLayer`` of the same sizes, norm position,
+        activation and LayerNorm eps (a different one raises: the outputs would differ)."""
+        _check_same_layout(self, reference)
         self.self_attention.load_from_torch(reference.self_attn)
         _copy_feed_forward(self.feed_forward, reference)
         self.norm1.load_state_dict(reference.norm1.state_dict())
@@ -92,15 +96,17 @@ class DecoderBlock(nn.Module):
     """Masked self-attention, cross-attention to the encoder's outputs, then a feed-forward network.
 
     ``forward(x (B, T, d), memory (B, S, d), mask=None, memory_mask=None, memory_key_padding_mask=None,
-    self_cache=None, cross_cache=None) -> (B, T, d)``. ``mask`` is the self-attention mask (causal in a
-    decoder); the cross-attention queries come from ``x``, its keys and values from ``memory``.
+    self_cache=None, cross_cache=None, is_causal=False) -> (B, T, d)``. ``mask`` is the self-attention mask
+    (``is_causal=True`` makes it causal without a mask tensor); the cross-attention queries come from
+    ``x``, its keys and values from ``memory``. Arguments after ``dropout`` are keyword-only; set
+    ``record_weights = True`` to keep the last weights in ``self_weights`` and ``cross_weights``.
     """
 
-    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, activation="relu", norm="post",
+    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, *, activation="relu", norm="post",
                  layer_norm_eps=1e-5):
         super().__init__()
         _check_choices(norm, activation)
-        self.norm_position = norm
+        self.norm_position, self.activation_name = norm, activation
         self.self_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout)
         self.cross_attention = MultiHeadAttention(d_model, num_heads, dropout=dropout)
         self.feed_forward = FeedForward(d_model, hidden, activation, dropout)
@@ -111,8 +117,9 @@ class DecoderBlock(nn.Module):
         self.record_weights = False
         self.self_weights = self.cross_weights = None
 
-    def _self(self, x, mask, cache):
-        out, self.self_weights = self.self_attention(x, x, x, mask, need_weights=self.record_weights, cache=cache)
+    def _self(self, x, mask, cache, is_causal):
+        out, self.self_weights = self.self_attention(x, x, x, mask, need_weights=self.record_weights, cache=cache,
+                                                     is_causal=is_causal)
         return self.dropout1(out)
 
     def _cross(self, x, memory, memory_mask, memory_key_padding_mask, cache):
@@ -123,26 +130,52 @@ class DecoderBlock(nn.Module):
         return self.dropout2(out)
 
     def forward(self, x, memory, mask=None, memory_mask=None, *, memory_key_padding_mask=None,
-                self_cache=None, cross_cache=None):
+                self_cache=None, cross_cache=None, is_causal=False):
         if x.shape[0] != memory.shape[0] or x.shape[-1] != memory.shape[-1]:
             raise ValueError(f"x {tuple(x.shape)} and memory {tuple(memory.shape)} must share batch size and d_model")
         if self.norm_position == "post":
-            x = self.norm1(x + self._self(x, mask, self_cache))
+            x = self.norm1(x + self._self(x, mask, self_cache, is_causal))
             x = self.norm2(x + self._cross(x, memory, memory_mask, memory_key_padding_mask, cross_cache))
             return self.norm3(x + self.dropout3(self.feed_forward(x)))
-        x = x + self._self(self.norm1(x), mask, self_cache)
+        x = x + self._self(self.norm1(x), mask, self_cache, is_causal)
         x = x + self._cross(self.norm2(x), memory, memory_mask, memory_key_padding_mask, cross_cache)
         return x + self.dropout3(self.feed_forward(self.norm3(x)))
 
     @torch.no_grad()
     def load_from_torch(self, reference: nn.TransformerDecoderLayer) -> DecoderBlock:
-        """Copy the weights of an ``nn.TransformerDecoderLayer`` of the same sizes."""
+        """Copy the weights of an ``nn.TransformerDecoderLayer`` of the same sizes, norm position,
+        activation and LayerNorm eps (a different one raises: the outputs would differ)."""
+        _check_same_layout(self, reference)
         self.self_attention.load_from_torch(reference.self_attn)
         self.cross_attention.load_from_torch(reference.multihead_attn)
         _copy_feed_forward(self.feed_forward, reference)
         for i in (1, 2, 3):
             getattr(self, f"norm{i}").load_state_dict(getattr(reference, f"norm{i}").state_dict())
         return self
+
+
+def _torch_activation(reference: nn.Module) -> str | None:
+    """The name of a PyTorch layer's activation ("relu", "gelu"), or None for anything else."""
+    activation = reference.activation
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if (activation is F.gelu or (isinstance(activation, nn.GELU) and activation.approximate == "none")):
+        return "gelu"
+    return None
+
+
+def _check_same_layout(ours: nn.Module, reference: nn.Module) -> None:
+    """Raise unless the PyTorch layer has our norm position, activation and LayerNorm eps."""
+    theirs = "pre" if reference.norm_first else "post"
+    if theirs != ours.norm_position:
+        raise ValueError(f"reference has norm_first={reference.norm_first} ({theirs}-norm); "
+                         f"this block has norm={ours.norm_position!r}")
+    activation = _torch_activation(reference)
+    if activation != ours.activation_name:
+        raise ValueError(f"reference has activation {reference.activation!r}; this block has "
+                         f"activation={ours.activation_name!r}")
+    if reference.norm1.eps != ours.norm1.eps:
+        raise ValueError(f"reference has layer_norm_eps={reference.norm1.eps}; this block has {ours.norm1.eps}")
 
 
 def _copy_feed_forward(ours: FeedForward, reference: nn.Module) -> None:

@@ -14,13 +14,16 @@ Nothing here downloads anything. The pieces:
 - The sequence-to-sequence task: :func:`number_to_words` (``347 -> "three hundred forty seven"``)
   and :func:`number_split` (train / held-out numbers, never overlapping).
 - The classification task: :func:`shuffled_lines` (is this line of verse in its real word order,
-  or are its words shuffled?), and :func:`pad_batch` to batch sequences of different lengths.
+  or are its words shuffled?) on :func:`verse_lines`, with :func:`plain_words` to remove the
+  capitals and punctuation that would give a shuffled line away;
+  and :func:`pad_batch` to batch sequences of different lengths.
 """
 
 from __future__ import annotations
 
 import gzip
 import random
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -186,7 +189,8 @@ def mask_tokens(ids: torch.Tensor, mask_id: int, vocab_size: int, *, prob: float
                 generator=None):
     """BERT's masked-language-model corruption of ``ids (B, T)``.
 
-    Each position is chosen with probability ``prob``; of the chosen ones 80 % become ``mask_id``,
+    Each position holding an ordinary token (id ``>= first_ordinary``: never padding or another special
+    token, and never ``mask_id``) is chosen with probability ``prob``; of the chosen ones 80 % become ``mask_id``,
     10 % a random ordinary token (ids ``first_ordinary .. vocab_size - 1``) and 10 % stay as they are
     (Devlin et al., 2019). Returns ``(inputs (B, T), targets (B, T))`` where ``targets`` holds the original
     id at chosen positions and ``-100`` (ignored by ``F.cross_entropy``) elsewhere.
@@ -197,11 +201,12 @@ def mask_tokens(ids: torch.Tensor, mask_id: int, vocab_size: int, *, prob: float
         raise ValueError(f"first_ordinary must lie in [0, vocab_size={vocab_size}), got {first_ordinary}")
     device = ids.device
     rand = torch.rand(ids.shape, generator=generator).to(device)  # one draw decides chosen and which rule
-    chosen = rand < prob  # (B, T)
+    ordinary = (ids >= first_ordinary) & (ids != mask_id)  # (B, T): padding and specials are never chosen
+    chosen = (rand < prob) & ordinary  # (B, T)
     targets = torch.where(chosen, ids, torch.full_like(ids, -100))
     inputs = ids.clone()
-    to_mask = rand < 0.8 * prob  # 80 % of the chosen
-    to_random = (rand >= 0.8 * prob) & (rand < 0.9 * prob)  # 10 %; the last 10 % keep their token
+    to_mask = (rand < 0.8 * prob) & ordinary  # 80 % of the chosen
+    to_random = (rand >= 0.8 * prob) & (rand < 0.9 * prob) & ordinary  # 10 %; the last 10 % keep their token
     random_ids = torch.randint(first_ordinary, vocab_size, ids.shape, generator=generator).to(device)
     inputs[to_mask] = mask_id
     inputs[to_random] = random_ids[to_random]
@@ -314,14 +319,36 @@ def seq2seq_batch(numbers: Sequence[int], source_tokenizer: Vocabulary, target_t
 # Classification: is a line in its real word order?
 
 
-def verse_lines(text: str, min_words: int = 4, max_chars: int = 64) -> list[str]:
+def plain_words(line: str) -> str:
+    """``line`` lower-cased, with every character that is not a letter, a space or an apostrophe
+    inside a word removed: ``"Nay, answer me: stand!" -> "nay answer me stand"``.
+
+    Capitals and punctuation mark where a line of verse starts and ends; a shuffled line moves
+    them, so a rule as simple as "a real line starts with a capital" would detect shuffling
+    without reading the word order. Plain words leave the order as the only clue.
+    """
+    if not isinstance(line, str):
+        raise TypeError(f"line must be a str, got {type(line).__name__}")
+    return " ".join(re.findall(r"[a-z]+(?:'[a-z]+)*", line.lower()))
+
+
+def verse_lines(text: str, min_words: int = 4, max_chars: int = 64, *, plain: bool = False) -> list[str]:
     """The spoken lines of ``text`` (speaker names dropped) with at least ``min_words`` distinct words
-    and at most ``max_chars`` characters, in order of appearance."""
+    and at most ``max_chars`` characters, in order of appearance.
+
+    With ``plain=True`` each line is passed through :func:`plain_words` (lower case, no punctuation)
+    before the two tests.
+    """
+    if min_words < 2:
+        raise ValueError(f"min_words must be >= 2 (a line needs two distinct words to be shuffled), got {min_words}")
     lines = []
     for line in text.split("\n"):
         line = line.strip()
-        words = line.split()
-        if not line or line.endswith(":") or len(line) > max_chars or len(set(words)) < min_words:
+        if not line or line.endswith(":"):
+            continue
+        if plain:
+            line = plain_words(line)
+        if len(line) > max_chars or len(set(line.split())) < min_words:
             continue
         lines.append(line)
     return lines
@@ -337,6 +364,8 @@ def shuffled_lines(lines: Sequence[str], seed: int = 0) -> tuple[list[str], torc
     rng = random.Random(seed)
     texts, labels = [], []
     for line in lines:
+        if len(set(line.split())) < 2:
+            raise ValueError(f"every line needs at least 2 distinct words to be shuffled, got {line!r}")
         label = rng.random() < 0.5
         if label:
             words = line.split()

@@ -1,4 +1,4 @@
-"""Attention masks.
+"""Attention masks: every mask helper of the library lives here.
 
 Convention everywhere in ``attnbook``: a boolean mask is ``True`` where attention is **blocked**
 (as ``nn.MultiheadAttention``'s ``attn_mask``). ``F.scaled_dot_product_attention`` uses the
@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import torch
 
+from .utils import check_positive_int
+
 
 def causal_mask(n: int, device=None) -> torch.Tensor:
     """``(n, n)`` bool mask, ``True`` above the diagonal: token ``i`` may not see tokens ``j > i``.
 
     It leaves ``n (n + 1) / 2`` entries allowed.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"causal_mask needs a positive int n, got {n!r}")
+    n = check_positive_int("n", n)
     return torch.ones(n, n, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def causal_mask_after(start: int, new: int, device=None) -> torch.Tensor | None:
+    """Mask for ``new`` queries at positions ``start .. start+new-1`` over ``start + new`` keys (True = blocked).
+
+    ``None`` when a single new token may see every key (the usual cached generation step). This is
+    the causal mask aligned to the bottom right, as ``is_causal=True`` means in this library.
+    """
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+    new = check_positive_int("new", new)
+    if new == 1:
+        return None
+    return torch.ones(new, start + new, dtype=torch.bool, device=device).triu(diagonal=start + 1)
 
 
 def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
@@ -56,3 +71,26 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
             raise TypeError(f"combine_masks takes bool masks (True = blocked), got dtype {mask.dtype}")
         result = mask if result is None else result | mask
     return result
+
+
+def attention_mask_for_heads(mask, key_padding_mask, batch_size: int):
+    """Turn a ``(Tq, Tk)``, ``(B, Tq, Tk)`` or ``(B, h, Tq, Tk)`` mask plus a ``(B, Tk)`` key padding mask
+    into one mask that broadcasts to per-head scores ``(B, h, Tq, Tk)`` (``None`` if both are ``None``).
+
+    A float ``mask`` gets ``-inf`` at the padded keys; a bool one is OR-ed with them (:func:`combine_masks`).
+    """
+    if mask is not None and mask.dim() == 3:
+        if mask.shape[0] not in (1, batch_size):
+            raise ValueError(f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got {tuple(mask.shape)}")
+        mask = mask.unsqueeze(1)  # (B, 1, Tq, Tk): the same for every head
+    if key_padding_mask is None:
+        return mask
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"key_padding_mask must be a bool (B={batch_size}, Tk) tensor, True at padding; "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
+    padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
+    if mask is None or mask.dtype == torch.bool:
+        return combine_masks(mask, padding)
+    return mask.masked_fill(padding, float("-inf"))

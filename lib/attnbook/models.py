@@ -16,34 +16,15 @@ import torch
 from torch import nn
 
 from .blocks import DecoderBlock, EncoderBlock
-from .masks import causal_mask
+from .masks import causal_mask_after  # noqa: F401  (its home is masks; speech and chapter 8 import it here)
 from .multihead import KVCache
 from .positions import LearnedPositions, SinusoidalPositions
-
-
-def _check_ids(idx: torch.Tensor, vocab_size: int, max_len: int, start: int = 0) -> None:
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
-        raise ValueError(f"token ids must be a (B, T) LongTensor, got {getattr(idx, 'dtype', type(idx))} "
-                         f"{tuple(getattr(idx, 'shape', ()))}")
-    if start + idx.shape[1] > max_len:
-        raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds max_len={max_len}")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, {vocab_size}), got range [{int(idx.min())}, {int(idx.max())}]")
+from .utils import check_token_ids
 
 
 def _device_and_dtype(model: nn.Module, device, dtype):
     parameter = next(model.parameters())
     return (parameter.device if device is None else device), (parameter.dtype if dtype is None else dtype)
-
-
-def causal_mask_after(start: int, new: int, device=None) -> torch.Tensor | None:
-    """Mask for ``new`` queries at positions ``start .. start+new-1`` over ``start + new`` keys (True = blocked).
-
-    ``None`` when a single new token may see every key (the usual cached generation step).
-    """
-    if new == 1:
-        return None
-    return torch.ones(new, start + new, dtype=torch.bool, device=device).triu(diagonal=start + 1)
 
 
 def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
@@ -53,7 +34,8 @@ def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
 
 
 def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm) -> nn.ModuleList:
-    return nn.ModuleList(EncoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_layers))
+    return nn.ModuleList(EncoderBlock(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
+                         for _ in range(num_layers))
 
 
 def _final_norm(norm: str, d_model: int) -> nn.Module:
@@ -88,14 +70,16 @@ class GPT(nn.Module):
         return [KVCache(batch_size, self.num_heads, self.max_len, head_dim, device=device, dtype=dtype)
                 for _ in self.blocks]
 
-    def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, *,
+                check_ids: bool = True) -> torch.Tensor:
+        """``check_ids=False`` skips the range check of the ids (which reads them back to the host);
+        :func:`~attnbook.generation.generate` uses it for the tokens it picked itself."""
         start = caches[0].length if caches else 0
-        _check_ids(idx, self.vocab_size, self.max_len, start)
+        check_token_ids(idx, self.vocab_size, self.max_len, start=start, check_range=check_ids)
         T = idx.shape[1]
         x = self.dropout(self.positions(self.token_embedding(idx), start))  # (B, T, d)
-        mask = causal_mask(T, device=idx.device) if caches is None else causal_mask_after(start, T, idx.device)
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask, cache=None if caches is None else caches[i])  # (B, T, d)
+        for i, block in enumerate(self.blocks):  # causal: the T new queries see the start + T keys up to them
+            x = block(x, cache=None if caches is None else caches[i], is_causal=T > 1)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
 
@@ -120,7 +104,7 @@ class EncoderOnlyModel(nn.Module):
         self.classifier = nn.Linear(d_model, num_classes) if num_classes else None
 
     def forward(self, idx, key_padding_mask=None):
-        _check_ids(idx, self.vocab_size, self.max_len)
+        check_token_ids(idx, self.vocab_size, self.max_len)
         x = self.dropout(self.positions(self.token_embedding(idx)))  # (B, T, d)
         for block in self.blocks:
             x = block(x, key_padding_mask=key_padding_mask)  # (B, T, d): no causal mask
@@ -143,57 +127,59 @@ class EncoderOnlyModel(nn.Module):
 class EncoderDecoderModel(nn.Module):
     """Encoder–decoder (T5/BART-like) transformer with sinusoidal positions.
 
-    ``forward(src (B, S), tgt (B, T), src_padding_mask=None) -> logits (B, T, tgt_vocab_size)``;
+    ``forward(source (B, S), target (B, T), source_padding_mask=None) -> logits (B, T, target_vocab_size)``;
     :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the decoder on it
     (with per-layer self-attention and cross-attention caches from :meth:`make_caches`).
     """
 
-    def __init__(self, src_vocab_size, tgt_vocab_size, d_model, num_heads, num_encoder_layers, num_decoder_layers,
-                 max_len, *, hidden=None, dropout=0.0, norm="pre", activation="gelu"):
+    def __init__(self, source_vocab_size, target_vocab_size, d_model, num_heads, num_encoder_layers,
+                 num_decoder_layers, max_len, *, hidden=None, dropout=0.0, norm="pre", activation="gelu"):
         super().__init__()
-        self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        self.source_vocab_size, self.target_vocab_size = source_vocab_size, target_vocab_size
         self.max_len, self.num_heads = max_len, num_heads
-        self.src_embedding = nn.Embedding(src_vocab_size, d_model)
-        self.tgt_embedding = nn.Embedding(tgt_vocab_size, d_model)
-        for embedding in (self.src_embedding, self.tgt_embedding):  # std d^-1/2, so after the sqrt(d) scale
+        self.source_embedding = nn.Embedding(source_vocab_size, d_model)
+        self.target_embedding = nn.Embedding(target_vocab_size, d_model)
+        for embedding in (self.source_embedding, self.target_embedding):  # std d^-1/2, so after the sqrt(d) scale
             nn.init.normal_(embedding.weight, std=d_model**-0.5)  # tokens and positions are both of size ~1
         self.positions = SinusoidalPositions(d_model)
         self.scale = d_model**0.5  # embeddings scaled by sqrt(d) before adding positions, as in the original
         self.dropout = nn.Dropout(dropout)
         self.encoder_blocks = _encoder_stack(num_encoder_layers, d_model, num_heads, hidden, dropout, activation, norm)
         self.decoder_blocks = nn.ModuleList(
-            DecoderBlock(d_model, num_heads, hidden, dropout, activation, norm) for _ in range(num_decoder_layers)
+            DecoderBlock(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
+            for _ in range(num_decoder_layers)
         )
         self.encoder_norm = _final_norm(norm, d_model)
         self.decoder_norm = _final_norm(norm, d_model)
-        self.lm_head = nn.Linear(d_model, tgt_vocab_size, bias=False)
+        self.lm_head = nn.Linear(d_model, target_vocab_size, bias=False)
 
-    def encode(self, src, src_padding_mask=None):
-        _check_ids(src, self.src_vocab_size, self.max_len)
-        x = self.dropout(self.positions(self.src_embedding(src) * self.scale))  # (B, S, d)
+    def encode(self, source, source_padding_mask=None):
+        check_token_ids(source, self.source_vocab_size, self.max_len, name="source ids")
+        x = self.dropout(self.positions(self.source_embedding(source) * self.scale))  # (B, S, d)
         for block in self.encoder_blocks:
-            x = block(x, key_padding_mask=src_padding_mask)
+            x = block(x, key_padding_mask=source_padding_mask)
         return self.encoder_norm(x)  # memory (B, S, d)
 
-    def decode(self, tgt, memory, src_padding_mask=None, caches=None):
+    def decode(self, target, memory, source_padding_mask=None, caches=None, *, check_ids: bool = True):
+        """Decoder logits ``(B, T, target_vocab)`` for ``target (B, T)`` (only the new tokens with ``caches``)."""
         start = caches[0][0].length if caches else 0
-        _check_ids(tgt, self.tgt_vocab_size, self.max_len, start)
-        T = tgt.shape[1]
-        x = self.dropout(self.positions(self.tgt_embedding(tgt) * self.scale, start))  # (B, T, d)
-        mask = causal_mask(T, device=tgt.device) if caches is None else causal_mask_after(start, T, tgt.device)
+        check_token_ids(target, self.target_vocab_size, self.max_len, start=start, check_range=check_ids,
+                        name="target ids")
+        T = target.shape[1]
+        x = self.dropout(self.positions(self.target_embedding(target) * self.scale, start))  # (B, T, d)
         for i, block in enumerate(self.decoder_blocks):
             self_cache, cross_cache = caches[i] if caches else (None, None)
-            x = block(x, memory, mask, memory_key_padding_mask=src_padding_mask,
-                      self_cache=self_cache, cross_cache=cross_cache)
-        return self.lm_head(self.decoder_norm(x))  # (B, T, tgt_vocab)
+            x = block(x, memory, memory_key_padding_mask=source_padding_mask, self_cache=self_cache,
+                      cross_cache=cross_cache, is_causal=T > 1)
+        return self.lm_head(self.decoder_norm(x))  # (B, T, target_vocab)
 
-    def forward(self, src, tgt, src_padding_mask=None):
-        return self.decode(tgt, self.encode(src, src_padding_mask), src_padding_mask)
+    def forward(self, source, target, source_padding_mask=None):
+        return self.decode(target, self.encode(source, source_padding_mask), source_padding_mask)
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
         """Per decoder layer: a self-attention cache (grows) and a static cross-attention cache (filled once)."""
         device, dtype = _device_and_dtype(self, device, dtype)
-        head_dim = self.tgt_embedding.embedding_dim // self.num_heads
+        head_dim = self.target_embedding.embedding_dim // self.num_heads
         return [(KVCache(batch_size, self.num_heads, self.max_len, head_dim, device=device, dtype=dtype),
                  KVCache(batch_size, self.num_heads, memory_len, head_dim, device=device, dtype=dtype, static=True))
                 for _ in self.decoder_blocks]

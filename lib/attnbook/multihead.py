@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 from .attention import scaled_dot_product_attention
+from .masks import attention_mask_for_heads
 from .positions import apply_rope
+from .utils import check_positive_int
+
+__all__ = ["KVCache", "MultiHeadAttention", "RotaryMultiHeadAttention", "WideMultiHeadAttention",
+           "attention_mask_for_heads", "merge_heads", "split_heads"]
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -39,9 +44,8 @@ class KVCache:
     """
 
     def __init__(self, batch_size, num_heads, max_len, head_dim, *, device=None, dtype=torch.float32, static=False):
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        shape = (batch_size, num_heads, max_len, head_dim)
+        shape = tuple(check_positive_int(name, value) for name, value in (
+            ("batch_size", batch_size), ("num_heads", num_heads), ("max_len", max_len), ("head_dim", head_dim)))
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
@@ -74,28 +78,6 @@ class KVCache:
         return self.keys.numel() * self.keys.element_size() * 2
 
 
-def attention_mask_for_heads(mask, key_padding_mask, batch_size: int):
-    """Turn a ``(Tq, Tk)``, ``(B, Tq, Tk)`` or ``(B, h, Tq, Tk)`` mask plus a ``(B, Tk)`` key padding mask
-    into one mask that broadcasts to per-head scores ``(B, h, Tq, Tk)``."""
-    if mask is not None and mask.dim() == 3:
-        if mask.shape[0] not in (1, batch_size):
-            raise ValueError(f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got {tuple(mask.shape)}")
-        mask = mask.unsqueeze(1)  # (B, 1, Tq, Tk): the same for every head
-    if key_padding_mask is None:
-        return mask
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch_size:
-        raise ValueError(
-            f"key_padding_mask must be a bool (B={batch_size}, Tk) tensor, True at padding; "
-            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-        )
-    padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
-    if mask is None:
-        return padding
-    if mask.dtype == torch.bool:
-        return mask | padding
-    return mask.masked_fill(padding, float("-inf"))
-
-
 class MultiHeadAttention(nn.Module):
     """``h`` heads of scaled dot-product attention on ``d_model / h`` slices, concatenated and mixed by ``W_o``.
 
@@ -104,18 +86,23 @@ class MultiHeadAttention(nn.Module):
 
     ``forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask=None)`` returns
     ``(out (B, Tq, d), weights (B, h, Tq, Tk))``. With ``need_weights=False`` the fused kernel runs
-    and ``weights`` is ``None``. With a :class:`KVCache`, only the new tokens' keys and values are
-    computed and appended (or, for a filled static cache, none at all).
+    and ``weights`` is ``None``. ``is_causal=True`` blocks the future without a mask tensor (queries
+    are the last ``Tq`` of the ``Tk`` tokens, as with a cache). In training mode with ``dropout > 0``
+    the weights are dropped (the fused kernel's ``dropout_p`` when no weights are needed) and, as in
+    ``nn.MultiheadAttention``, the weights returned are those after dropout. With a :class:`KVCache`,
+    only the new tokens' keys and values are computed and appended (or, for a filled static cache,
+    none at all).
     """
 
     def __init__(self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0):
         super().__init__()
-        if not isinstance(d_model, int) or not isinstance(num_heads, int) or d_model < 1 or num_heads < 1:
-            raise ValueError(f"d_model and num_heads must be positive ints, got {d_model!r} and {num_heads!r}")
+        d_model, num_heads = check_positive_int("d_model", d_model), check_positive_int("num_heads", num_heads)
         if d_model % num_heads != 0:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
-        self.dropout = dropout
+        self.dropout = float(dropout)
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -136,7 +123,8 @@ class MultiHeadAttention(nn.Module):
         """Hook for position schemes that act on per-head queries and keys (RoPE); identity here."""
         return q, k
 
-    def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True, cache=None):
+    def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True, cache=None,
+                is_causal=False):
         self._check_inputs(query, key, value)
         B = query.shape[0]
         start = cache.length if cache is not None and not cache.static else 0
@@ -150,11 +138,9 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v)  # all keys/values so far: (B, h, start + Tk, d/h)
         mask = attention_mask_for_heads(mask, key_padding_mask, B)
-        if self.training and self.dropout > 0:
-            out, weights = scaled_dot_product_attention(q, k, v, mask)
-            out = torch.nn.functional.dropout(weights, self.dropout) @ v
-        else:
-            out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+        dropout_p = self.dropout if self.training else 0.0  # one computation, the fused kernel's without weights
+        out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, is_causal=is_causal,
+                                                    dropout_p=dropout_p)  # (B, h, Tq, d/h), weights after dropout
         return self.out_proj(merge_heads(out)), weights  # (B, Tq, d), (B, h, Tq, Tk) or None
 
     @torch.no_grad()
@@ -188,8 +174,7 @@ class WideMultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, bias: bool = True):
         super().__init__()
-        if not isinstance(d_model, int) or not isinstance(num_heads, int) or d_model < 1 or num_heads < 1:
-            raise ValueError(f"d_model and num_heads must be positive ints, got {d_model!r} and {num_heads!r}")
+        d_model, num_heads = check_positive_int("d_model", d_model), check_positive_int("num_heads", num_heads)
         self.d_model, self.num_heads = d_model, num_heads
         self.q_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
@@ -198,14 +183,14 @@ class WideMultiHeadAttention(nn.Module):
 
     _check_inputs = MultiHeadAttention._check_inputs
 
-    def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True):
+    def forward(self, query, key, value, mask=None, *, key_padding_mask=None, need_weights=True, is_causal=False):
         self._check_inputs(query, key, value)
         h = self.num_heads
         q = split_heads(self.q_proj(query), h)  # (B, h, Tq, d)
         k = split_heads(self.k_proj(key), h)  # (B, h, Tk, d)
         v = split_heads(self.v_proj(value), h)  # (B, h, Tk, d)
         mask = attention_mask_for_heads(mask, key_padding_mask, query.shape[0])
-        out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+        out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, is_causal=is_causal)
         return self.out_proj(merge_heads(out)), weights
 
 

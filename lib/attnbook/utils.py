@@ -46,6 +46,32 @@ def seed_offset() -> int:
     return offset
 
 
+def check_positive_int(name: str, value) -> int:
+    """``value`` as an ``int`` if it is a positive integer (a NumPy integer counts, a bool does not);
+    otherwise a ``ValueError`` naming ``name`` and the value. The library's one validator for sizes."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_token_ids(ids, vocab_size: int, max_len: int | None = None, *, start: int = 0, check_range: bool = True,
+                    name: str = "token ids") -> None:
+    """Raise a ``ValueError`` unless ``ids`` is a ``(B, T)`` LongTensor whose ``start + T`` tokens fit
+    in ``max_len`` and whose values lie in ``[0, vocab_size)``.
+
+    The range check reads the ids' min and max back to the host (a synchronisation on a GPU); code
+    that generated the ids itself, such as a generation loop, passes ``check_range=False``."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"{name} must be a (B, T) LongTensor, got {getattr(ids, 'dtype', type(ids))} "
+                         f"{tuple(getattr(ids, 'shape', ()))}")
+    if max_len is not None and start + ids.shape[1] > max_len:
+        raise ValueError(f"sequence of {start + ids.shape[1]} tokens exceeds max_len={max_len}")
+    if check_range and ids.numel():
+        low, high = (int(x) for x in torch.aminmax(ids))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"{name} must lie in [0, {vocab_size}), got range [{low}, {high}]")
+
+
 def _check_seed(seed) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
