@@ -6,7 +6,7 @@ with data and train (datasets, the training loop), cost (formulas, timing), pret
 (MiniLM-L6 in our encoder) and bench (``python -m attnbook.bench``).
 """
 
-from . import cost, data, pretrained, train
+from . import cost, data, measure, pretrained, speech, train, vit
 from .attention import (
     AdditiveAttention,
     masked_softmax,
@@ -32,7 +32,9 @@ from .positions import (
     interpolate_grid,
     sinusoidal_encoding,
 )
+from .speech import CTCModel, Seq2SeqSpeechModel, Transcriber, Whisper, log_mel_spectrogram
 from .utils import device, generator, on_gpu, progress, seed_everything, seed_offset, show_source
+from .vit import PatchEmbedding, SmallResNet, ViT
 
 __all__ = [
     "AdditiveAttention",
@@ -58,6 +60,7 @@ __all__ = [
     "train",
     "causal_mask",
     "cost",
+    "measure",
     "data",
     "pretrained",
     "combine_masks",
@@ -72,4 +75,14 @@ __all__ = [
     "seed_offset",
     "generator",
     "show_source",
+    "vit",
+    "speech",
+    "Whisper",
+    "Transcriber",
+    "CTCModel",
+    "Seq2SeqSpeechModel",
+    "log_mel_spectrogram",
+    "ViT",
+    "PatchEmbedding",
+    "SmallResNet",
 ]
