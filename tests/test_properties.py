@@ -197,8 +197,6 @@ def torch_attention(q, k, v, mask, blocked):
 def test_sdpa_matches_float64_reference_and_pytorch(spec, need_weights, is_causal):
     q, k, v, mask = build_attention(spec)
     dtype = spec["dtype"]
-    if not need_weights and mask is not None and mask.dim() < 2 and q.dim() == 4:
-        return  # known bug, see test_fused_path_takes_masks_of_fewer_dims: drop this when it is fixed
     out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, is_causal=is_causal)
     ref_out, ref_weights, blocked, blocked_row = reference_attention(q, k, v, mask, is_causal)
     event(f"fully blocked rows: {bool(blocked_row.any())}")
@@ -237,9 +235,6 @@ def test_sdpa_dropout_zeroes_or_rescales_each_weight(spec, dropout_p):
 @given(spec=attention_specs(), block_size=st.integers(1, 8), query_block_size=st.none() | st.integers(1, 8),
        is_causal=st.booleans())
 def test_memory_efficient_matches_naive(spec, block_size, query_block_size, is_causal):
-    scores_batch = torch.broadcast_shapes(spec["q_batch"], spec["k_batch"])
-    if torch.broadcast_shapes(scores_batch, spec["v_batch"]) != scores_batch:
-        return  # known bug, see test_memory_efficient_broadcasts_batch_dims_of_v: drop this when it is fixed
     q, k, v, mask = build_attention(spec)
     dtype = spec["dtype"]
     out = memory_efficient_attention(q, k, v, mask, block_size=block_size, query_block_size=query_block_size,
@@ -253,8 +248,6 @@ def test_memory_efficient_matches_naive(spec, block_size, query_block_size, is_c
     assert (out.masked_select(blocked_row.expand(out.shape)) == 0).all()
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason="bug: with need_weights=False and a 4-D q, a mask of 0 or "
-                   "1 dims (valid: it broadcasts) reaches F.scaled_dot_product_attention, which raises IndexError")
 @pytest.mark.parametrize("mask_shape", [(), (3,)])
 def test_fused_path_takes_masks_of_fewer_dims(mask_shape):
     q, mask = torch.randn(2, 2, 3, 4), torch.zeros(mask_shape, dtype=torch.bool)
@@ -262,8 +255,6 @@ def test_fused_path_takes_masks_of_fewer_dims(mask_shape):
     torch.testing.assert_close(scaled_dot_product_attention(q, q, q, mask, need_weights=False)[0], expected)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="bug: memory_efficient_attention uses the batch dims of q and k only, not v's")
 @pytest.mark.parametrize("q_batch, v_batch", [((), (1,)), ((1, 1), (1, 2))])
 def test_memory_efficient_broadcasts_batch_dims_of_v(q_batch, v_batch):
     q, k, v = torch.randn(*q_batch, 1, 1), torch.randn(*q_batch, 1, 1), torch.randn(*v_batch, 1, 1)
@@ -396,7 +387,6 @@ def test_padding_mask_rejects_invalid_inputs(lengths, error, data):
         padding_mask(lengths, max_len)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: padding_mask does not validate max_len (a float widens the mask)")
 @pytest.mark.parametrize("max_len", [3.5, True])
 def test_padding_mask_rejects_non_positive_int_max_len(max_len):
     with pytest.raises(INVALID):
@@ -543,15 +533,11 @@ def test_multihead_rejects_invalid_inputs(spec, error, data):
         kpm = torch.zeros(B, tk, dtype=data.draw(st.sampled_from((torch.float32, torch.int64))))
     elif error == "kpm_shape":
         kpm = torch.zeros(data.draw(st.sampled_from(((B + 1, tk), (B, tk + 1), (tk,), (B, 1, tk)))), dtype=torch.bool)
-        if kpm.shape == (B, tk + 1) and mask is not None:
-            return  # known bug, see test_multihead_rejects_key_padding_of_wrong_length: drop this when it is fixed
     with pytest.raises(INVALID):
         module(query, key, value, mask, key_padding_mask=kpm, need_weights=spec["need_weights"],
                is_causal=spec["is_causal"])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="bug: attention_mask_for_heads does not check the "
-                   "key padding mask's length Tk, so combining it with an attention mask fails inside PyTorch")
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 def test_multihead_rejects_key_padding_of_wrong_length(mask_dtype):
     module, x = MultiHeadAttention(4, 2), torch.randn(1, 2, 4)
@@ -670,8 +656,6 @@ def test_blocks_reject_invalid_inputs(spec, decoder, error, data):
     x, memory = torch.randn(B, t, d), torch.randn(B, s, d)
     mask = memory_mask = None
     if error in ("width", "both_widths"):  # x too wide; for "both_widths" the memory too
-        if spec["norm"] == "pre" and (error == "both_widths" or not decoder):
-            return  # known bug, see test_pre_norm_block_rejects_wrong_width: drop this when it is fixed
         x = torch.randn(B, t, d + 1)
         if error == "both_widths":
             memory = torch.randn(B, s, d + 1)
@@ -691,8 +675,6 @@ def test_blocks_reject_invalid_inputs(spec, decoder, error, data):
         block(x, memory, mask, memory_mask) if decoder else block(x, mask)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="bug: a pre-norm block runs LayerNorm before "
-                   "anything checks the width of x")
 @pytest.mark.parametrize("decoder", [False, True])
 def test_pre_norm_block_rejects_wrong_width(decoder):
     x = torch.randn(1, 2, 3)  # d_model is 4
@@ -826,14 +808,10 @@ def test_gpt_rejects_bad_sizes(sizes, name, bad):
         sizes["d_model"], sizes["num_heads"] = 2 * sizes["d_model"] + 1, 2  # odd width, two heads
     else:
         sizes[name] = bad
-    if name == "d_model" and isinstance(bad, int) and not isinstance(bad, bool) and bad < 0:
-        return  # known bug, see test_gpt_rejects_zero_sizes: drop this when it is fixed
     with pytest.raises(INVALID):
         GPT(**sizes)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with max_new_tokens=0 generate() never runs the model, so it never "
-                                       "checks the prompt's ids")
 @pytest.mark.parametrize("prompt", [[[7]], [[-1]]])
 def test_generate_checks_ids_even_without_new_tokens(prompt):
     model = GPT(5, 8, 2, 1, 8)
@@ -842,8 +820,6 @@ def test_generate_checks_ids_even_without_new_tokens(prompt):
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
-@pytest.mark.xfail(strict=True, reason="bug: GPT does not check its sizes first: it accepts vocab_size=0 and "
-                   "num_layers=0, and nn.Embedding raises RuntimeError for a negative vocab_size or d_model")
 @pytest.mark.parametrize("kwargs", [dict(vocab_size=0), dict(vocab_size=-1), dict(num_layers=0), dict(d_model=-2)])
 def test_gpt_rejects_zero_sizes(kwargs):
     sizes = dict(vocab_size=5, d_model=8, num_heads=2, num_layers=1, max_len=8) | kwargs

@@ -182,6 +182,8 @@ def _fused_attention(q, k, v, mask, dropout_p=0.0):
     and its output set to 0 afterwards, so its gradients are 0. A float mask is already in q's dtype."""
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    if mask.dim() < 2:  # () or (Tk,) broadcast, but the fused kernel of a 4-D q wants (..., Tq, Tk)
+        mask = mask.view((1,) * (2 - mask.dim()) + tuple(mask.shape))  # (1, 1) or (1, Tk): a view
     if mask.dtype == torch.bool:
         blocked_row = mask.all(dim=-1, keepdim=True)  # (..., Tq, 1)
         keep = ~mask | blocked_row  # torch: True = keep
@@ -241,11 +243,11 @@ def memory_efficient_attention(q, k, v, mask=None, *, block_size: int = 1024, qu
     query_block_size = block_size if query_block_size is None else check_positive_int("query_block_size",
                                                                                        query_block_size)
     scores_shape = _scores_shape(q, k)
+    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    batch = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])  # v's batch dims broadcast too, as in torch
     if mask is not None:
         check_mask(mask, scores_shape, q.device)
-        mask = mask.expand(scores_shape)  # a view: no memory
-    batch = scores_shape[:-2]
-    n_q, n_k, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+        mask = mask.expand(*batch, n_q, n_k)  # a view: no memory
     in_dtype = q.dtype
     compute_dtype = torch.float32 if in_dtype in _LOW_PRECISION else in_dtype
     scale = 1.0 / math.sqrt(d)

@@ -24,6 +24,14 @@ def _check_choices(norm: str, activation: str) -> None:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
+def _check_width(name: str, x, d_model: int) -> None:
+    """Raise unless ``x`` is a tensor ending in ``d_model`` features (checked before any LayerNorm runs)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != d_model:
+        raise ValueError(f"{name} must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
+
+
 class FeedForward(nn.Module):
     """The same two-layer MLP on every token: ``d -> hidden -> d`` (``hidden`` defaults to ``4 d``).
 
@@ -74,6 +82,7 @@ class EncoderBlock(nn.Module):
         return self.dropout1(out)
 
     def forward(self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=False):
+        _check_width("x", x, self.norm1.normalized_shape[0])
         if self.norm_position == "post":
             x = self.norm1(x + self._attend(x, mask, key_padding_mask, cache, is_causal))  # add & norm
             return self.norm2(x + self.dropout2(self.feed_forward(x)))
@@ -131,6 +140,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x, memory, mask=None, memory_mask=None, *, memory_key_padding_mask=None,
                 self_cache=None, cross_cache=None, is_causal=False):
+        _check_width("x", x, self.norm1.normalized_shape[0])
         if x.shape[0] != memory.shape[0] or x.shape[-1] != memory.shape[-1]:
             raise ValueError(f"x {tuple(x.shape)} and memory {tuple(memory.shape)} must share batch size and d_model")
         if self.norm_position == "post":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .models import GPT, EncoderDecoderModel
+from .utils import check_token_ids
 
 
 def _check_temperature(temperature) -> float:
@@ -73,6 +74,9 @@ def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, 
             f"prompt of {prompt.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds max_len={model.max_len}"
         )
     prompt = prompt.to(device=device, dtype=torch.long)
+    vocab_size, ids_name = ((model.target_vocab_size, "target ids") if isinstance(model, EncoderDecoderModel)
+                            else (model.vocab_size, "token ids"))
+    check_token_ids(prompt, vocab_size, name=ids_name)  # here, once: with max_new_tokens=0 no model runs
     B, T0 = prompt.shape
     if isinstance(model, EncoderDecoderModel):
         if source is None:
@@ -98,18 +102,18 @@ def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, 
             memory = model.encode(source, source_padding_mask)  # (B, S, d), computed once
             caches = model.make_caches(B, memory.shape[1], device) if use_cache else None
 
-            def run(tokens, check_ids=False):
-                return model.decode(tokens, memory, source_padding_mask, caches, check_ids=check_ids)
+            def run(tokens):
+                return model.decode(tokens, memory, source_padding_mask, caches, check_ids=False)
         else:
             caches = model.make_caches(B, device) if use_cache else None
 
-            def run(tokens, check_ids=False):
-                return model(tokens, caches, check_ids=check_ids)
+            def run(tokens):
+                return model(tokens, caches, check_ids=False)
 
         tokens = prompt.new_empty(B, T0 + max_new_tokens)  # (B, T0 + new), filled step by step
         tokens[:, :T0] = prompt
         if max_new_tokens:
-            logits = run(prompt, check_ids=True)[:, -1]  # (B, vocab): the prompt is processed once
+            logits = run(prompt)[:, -1]  # (B, vocab): the prompt is processed once
             for step in range(max_new_tokens):
                 end = T0 + step
                 tokens[:, end] = next_token(logits, temperature, generator)  # (B,)

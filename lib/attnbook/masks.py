@@ -7,6 +7,7 @@ opposite meaning (``True`` = keep); chapter 2 shows the difference.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .utils import check_positive_int
@@ -49,6 +50,8 @@ def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
         raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
     if (lengths < 0).any():
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 0):
+        raise ValueError(f"max_len must be an int >= 0 or None, got {max_len!r}")
     longest = int(lengths.max())
     if max_len is None:
         max_len = longest
@@ -79,17 +82,27 @@ def attention_mask_for_heads(mask, key_padding_mask, batch_size: int):
 
     A float ``mask`` gets ``-inf`` at the padded keys; a bool one is OR-ed with them (:func:`combine_masks`).
     """
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if mask is not None and mask.dim() == 3:
         if mask.shape[0] not in (1, batch_size):
             raise ValueError(f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got {tuple(mask.shape)}")
         mask = mask.unsqueeze(1)  # (B, 1, Tq, Tk): the same for every head
     if key_padding_mask is None:
         return mask
+    if not isinstance(key_padding_mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
     if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch_size:
         raise ValueError(
             f"key_padding_mask must be a bool (B={batch_size}, Tk) tensor, True at padding; "
             f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
         )
+    if mask is not None and mask.dim() >= 1 and mask.shape[-1] not in (1, key_padding_mask.shape[1]):
+        raise ValueError(f"mask {tuple(mask.shape)} has Tk={mask.shape[-1]} keys but key_padding_mask "
+                         f"{tuple(key_padding_mask.shape)} has Tk={key_padding_mask.shape[1]}")
+    if mask is not None and mask.dim() >= 4 and mask.shape[-4] not in (1, batch_size):
+        raise ValueError(f"mask {tuple(mask.shape)} has batch size {mask.shape[-4]} but key_padding_mask "
+                         f"{tuple(key_padding_mask.shape)} has B={batch_size} (the mask's must be {batch_size} or 1)")
     padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
     if mask is None or mask.dtype == torch.bool:
         return combine_masks(mask, padding)

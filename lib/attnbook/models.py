@@ -19,7 +19,13 @@ from .blocks import DecoderBlock, EncoderBlock
 from .masks import causal_mask_after  # noqa: F401  (its home is masks; speech and chapter 8 import it here)
 from .multihead import KVCache
 from .positions import LearnedPositions, SinusoidalPositions
-from .utils import check_token_ids
+from .utils import check_positive_int, check_token_ids
+
+
+def _check_sizes(**sizes) -> None:
+    """Raise a ``ValueError`` naming the first size that is not a positive int, before any layer is built."""
+    for name, value in sizes.items():
+        check_positive_int(name, value)
 
 
 def _device_and_dtype(model: nn.Module, device, dtype):
@@ -54,6 +60,8 @@ class GPT(nn.Module):
     def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, hidden=None, dropout=0.0,
                  norm="pre", activation="gelu"):
         super().__init__()
+        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
+                     max_len=max_len)
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
@@ -94,6 +102,8 @@ class EncoderOnlyModel(nn.Module):
     def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, num_classes=None, hidden=None,
                  dropout=0.0, norm="pre", activation="gelu"):
         super().__init__()
+        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
+                     max_len=max_len)
         self.vocab_size, self.max_len = vocab_size, max_len
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
@@ -135,6 +145,9 @@ class EncoderDecoderModel(nn.Module):
     def __init__(self, source_vocab_size, target_vocab_size, d_model, num_heads, num_encoder_layers,
                  num_decoder_layers, max_len, *, hidden=None, dropout=0.0, norm="pre", activation="gelu"):
         super().__init__()
+        _check_sizes(source_vocab_size=source_vocab_size, target_vocab_size=target_vocab_size, d_model=d_model,
+                     num_heads=num_heads, num_encoder_layers=num_encoder_layers,
+                     num_decoder_layers=num_decoder_layers, max_len=max_len)
         self.source_vocab_size, self.target_vocab_size = source_vocab_size, target_vocab_size
         self.max_len, self.num_heads = max_len, num_heads
         self.source_embedding = nn.Embedding(source_vocab_size, d_model)

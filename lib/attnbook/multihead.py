@@ -110,6 +110,8 @@ class MultiHeadAttention(nn.Module):
 
     def _check_inputs(self, query, key, value):
         for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 3 or x.shape[-1] != self.d_model:
                 raise ValueError(f"{name} must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
