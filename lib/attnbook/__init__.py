@@ -2,8 +2,10 @@
 
 One module per concept, each standing on the ones before (imports only go downward):
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
-with data and train (datasets, the training loop), cost (formulas, timing), pretrained
-(MiniLM-L6 in our encoder) and bench (``python -m attnbook.bench``).
+with data and train (datasets, the training loop), cost (formulas, timing), measure (timing
+helpers), pretrained (MiniLM-L6 in our encoder), vit and speech (chapters 9 and 10), distributed
+(the appendix: DDP and FSDP on gloo, imported on its own as ``attnbook.distributed``) and bench
+(``python -m attnbook.bench``).
 """
 
 from . import cost, data, measure, pretrained, speech, train, vit
