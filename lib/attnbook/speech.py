@@ -40,6 +40,7 @@ from .masks import causal_mask, padding_mask
 from .models import causal_mask_after
 from .multihead import KVCache
 from .positions import LearnedPositions, SinusoidalPositions
+from .utils import check_token_ids
 
 SAMPLE_RATE = 16000  # Hz, the only rate Whisper's front end is defined for
 N_FFT = 400  # 25 ms window
@@ -249,10 +250,9 @@ class TextDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, memory: torch.Tensor, caches=None) -> torch.Tensor:
         start = caches[0][0].length if caches else 0
-        if tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens must be a (B, T) LongTensor, got {tokens.dtype} {tuple(tokens.shape)}")
-        if start + tokens.shape[1] > self.max_len:
-            raise ValueError(f"{start + tokens.shape[1]} tokens exceed the decoder's max_len={self.max_len}")
+        # the ids' range is read back once, for the prompt; generated ids come from the model itself
+        check_token_ids(tokens, self.vocab_size, self.max_len, start=start, name="tokens",
+                        check_range=start == 0)
         T = tokens.shape[1]
         x = self.positions(self.token_embedding(tokens), start)  # (B, T, d)
         mask = causal_mask(T, device=tokens.device) if caches is None else causal_mask_after(start, T, tokens.device)
