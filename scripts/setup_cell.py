@@ -54,6 +54,10 @@ def notebooks() -> list[Path]:
     return sorted((ROOT / "book").glob("*.ipynb"))
 
 
+def first_code_cell(nb) -> int:
+    return next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
+
+
 def setup_cell_index(nb) -> int | None:
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and TAG in cell.metadata.get("tags", []):
@@ -70,11 +74,10 @@ def write(path: Path, source: str) -> bool:
             return False
         nb.cells[index].source = source
     else:
-        first_code = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
         cell = nbformat.v4.new_code_cell(source, metadata={"tags": [TAG, "hide-cell"]})
         if "id" in cell:
             cell.id = "setup"  # a fixed id: the script gives the same file on every run
-        nb.cells.insert(first_code, cell)
+        nb.cells.insert(first_code_cell(nb), cell)
     nbformat.write(nb, path)
     return True
 
@@ -85,8 +88,7 @@ def stale(paths: list[Path], source: str) -> list[str]:
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         index = setup_cell_index(nb)
-        first_code = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
-        if index != first_code or nb.cells[index].source != source:
+        if index != first_code_cell(nb) or nb.cells[index].source != source:
             out.append(path.name)
     return out
 
