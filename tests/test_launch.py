@@ -1,8 +1,10 @@
-"""Running a chapter outside the repository: the notebooks' setup cell and the launch buttons."""
+"""The notebooks as a reader gets them: the setup cell that runs a chapter outside the repository,
+no execution timestamps, and the launch buttons."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +32,12 @@ def test_every_notebook_starts_with_the_current_setup_cell():
     assert len(setup_cell.notebooks()) >= 15
     assert setup_cell.stale(setup_cell.notebooks(), source) == []
     assert setup_cell.main(["--check"]) == 0
+
+
+def test_no_notebook_stores_execution_timestamps():
+    stamped = [f"{path.name} cell {i}" for path in setup_cell.notebooks()
+               for i, cell in enumerate(json.loads(path.read_text())["cells"]) if "execution" in cell["metadata"]]
+    assert stamped == []
 
 
 def test_setup_cell_does_nothing_inside_the_repository():
