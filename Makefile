@@ -4,10 +4,12 @@
 #   make test      everything CI checks: ruff, unit tests, nbval on every notebook, the book
 #                  build with warnings as errors, and the browser test of the built site
 #   make lab       JupyterLab on book/
-#   make execute   re-execute every notebook in place (NB=book/01_attention.ipynb for one)
+#   make execute   re-execute every notebook in place (NB=book/01_attention.ipynb for one; JOBS=2 runs
+#                  two at a time, one thread each: on 2 cores the whole book finishes sooner)
 #   make robust    re-execute every notebook twice more, with other seeds and other CPU kernels,
 #                  into a temporary folder; fails if any cell raises (NB= works here too)
 #   make timings   execute every notebook into a temporary folder and print a table of their times
+#                  (JOBS=2 as for execute: the wall time of the whole book two at a time)
 #   make lint      ruff only
 #   make clean     remove the build and caches (keeps .venv)
 #
@@ -26,6 +28,8 @@ STAMP := $(VENV)/.installed
 # The notebooks `make execute` runs: NB=book/01_attention.ipynb for one; empty means every
 # book/NN_*.ipynb.
 NB ?=
+# How many notebooks `make execute` and `make timings` run at once (each kernel gets cores / JOBS threads).
+JOBS ?= 1
 
 # Kernels started by nbval and by `make execute` are the venv's Python: the kernel spec
 # "python3" found first is .venv/share/jupyter/kernels/python3 (JUPYTER_PREFER_ENV_PATH puts the
@@ -45,7 +49,7 @@ JB_BUILD := $(BIN)/jupyter-book build --all --warningiserror --nitpick --keep-go
 .PHONY: help venv book test unit nbval robust timings site lab execute lint clean
 
 help:
-	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,14p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- environment -----------------------------------------------------------------------------
 
@@ -105,7 +109,7 @@ robust: $(STAMP)
 # not touched).
 timings: $(STAMP)
 	@out=$$(mktemp -d); status=0; \
-	$(BIN)/python scripts/execute_notebooks.py --out "$$out" $(NB) || status=1; \
+	$(BIN)/python scripts/execute_notebooks.py --out "$$out" --jobs $(JOBS) $(NB) || status=1; \
 	rm -rf "$$out"; exit $$status
 
 # The browser test of the built site (needs _build/html and Debian's chromium).
@@ -121,7 +125,7 @@ lab: $(STAMP)
 # Execute each notebook top to bottom in a fresh kernel (cwd book/); a notebook is replaced only
 # when its whole run succeeded (scripts/execute_notebooks.py prints each one's wall time).
 execute: $(STAMP)
-	$(BIN)/python scripts/execute_notebooks.py $(NB)
+	$(BIN)/python scripts/execute_notebooks.py --jobs $(JOBS) $(NB)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
