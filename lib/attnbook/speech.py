@@ -462,14 +462,16 @@ def make_digit_sequences(utterances: list[torch.Tensor], labels: torch.Tensor, n
         raise ValueError(f"need ints 1 <= min_digits <= max_digits, got {min_digits!r} and {max_digits!r}")
     counts = torch.randint(min_digits, max_digits + 1, (num_sequences,), generator=generator)  # (N,)
     picks = torch.randint(len(utterances), (num_sequences, max_digits), generator=generator)  # (N, max_digits)
-    sequences, targets = [], torch.full((num_sequences, max_digits), -1, dtype=torch.long)
-    for n in range(num_sequences):
-        chosen = picks[n, : counts[n]].tolist()
-        sequences.append(torch.cat([utterances[i] for i in chosen]))  # (T_n, F)
-        targets[n, : counts[n]] = labels[chosen]
-    lengths = torch.tensor([len(s) for s in sequences])  # (N,)
+    used = torch.arange(max_digits) < counts[:, None]  # (N, max_digits): the first counts[n] picks
+    targets = torch.where(used, labels[picks], -1).long()  # (N, max_digits)
+    chosen = picks[used].tolist()  # every used pick, sequence by sequence
+    frames = [len(utterances[i]) for i in chosen]
+    ends = torch.cumsum(counts, 0).tolist()
+    lengths = [sum(frames[end - count : end]) for end, count in zip(ends, counts.tolist(), strict=True)]
+    # one concatenation for the whole batch, cut into its sequences (a few ops, not a few per sequence)
+    sequences = torch.cat([utterances[i] for i in chosen]).split(lengths)  # (T_n, F) each
     features = nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # (N, T_max, F)
-    return features, lengths, targets, counts
+    return features, torch.tensor(lengths), targets, counts
 
 
 # --- CTC and seq2seq models -----------------------------------------------------------------------
