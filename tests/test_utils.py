@@ -1,4 +1,5 @@
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,20 @@ def test_device_is_a_torch_device_and_can_be_forced(monkeypatch):
     assert isinstance(device(), torch.device)
     monkeypatch.setenv("ATTNBOOK_DEVICE", "cpu")
     assert device() == torch.device("cpu")
+
+
+def test_gpu_settings_startup_turns_on_gpu_on_and_keeps_the_device(monkeypatch):
+    # `make gpu-settings` runs this file in every kernel before the first cell
+    monkeypatch.setenv("ATTNBOOK_DEVICE", "cpu")
+    import attnbook
+
+    assert not attnbook.on_gpu()
+    startup = Path(__file__).resolve().parents[1] / "scripts" / "gpu_settings_startup.py"
+    monkeypatch.setattr(attnbook, "on_gpu", attnbook.on_gpu)  # restored after the test
+    monkeypatch.setattr(attnbook.utils, "on_gpu", attnbook.utils.on_gpu)
+    exec(compile(startup.read_text(), str(startup), "exec"), {})
+    assert attnbook.on_gpu() and attnbook.utils.on_gpu()
+    assert attnbook.device() == torch.device("cpu")
 
 
 def test_seed_everything_repeats_every_generator():
