@@ -2,7 +2,7 @@
 
 ``attnbook.on_gpu()`` is what every notebook asks before it trains longer on a GPU; here it says
 True while ``attnbook.device()`` stays the CPU, so the longer trainings run (slowly) on the CPU and
-every assert is checked with them, without a GPU. The notebooks call it as ``attnbook.on_gpu()``.
+every assert is checked with them, without a GPU.
 """
 
 import attnbook
