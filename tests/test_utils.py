@@ -1,6 +1,7 @@
 import random
 from pathlib import Path
 
+import attnbook
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,6 @@ def test_device_is_a_torch_device_and_can_be_forced(monkeypatch):
 def test_gpu_settings_startup_turns_on_gpu_on_and_keeps_the_device(monkeypatch):
     # `make gpu-settings` runs this file in every kernel before the first cell
     monkeypatch.setenv("ATTNBOOK_DEVICE", "cpu")
-    import attnbook
-
     assert not attnbook.on_gpu()
     startup = Path(__file__).resolve().parents[1] / "scripts" / "gpu_settings_startup.py"
     monkeypatch.setattr(attnbook, "on_gpu", attnbook.on_gpu)  # restored after the test

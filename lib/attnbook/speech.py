@@ -465,9 +465,8 @@ def make_digit_sequences(utterances: list[torch.Tensor], labels: torch.Tensor, n
     used = torch.arange(max_digits) < counts[:, None]  # (N, max_digits): the first counts[n] picks
     targets = torch.where(used, labels[picks], -1).long()  # (N, max_digits)
     chosen = picks[used].tolist()  # every used pick, sequence by sequence
-    frames = [len(utterances[i]) for i in chosen]
-    ends = torch.cumsum(counts, 0).tolist()
-    lengths = [sum(frames[end - count : end]) for end, count in zip(ends, counts.tolist(), strict=True)]
+    lengths = [sum(len(utterances[i]) for i in row[:count])  # frames of each sequence
+               for row, count in zip(picks.tolist(), counts.tolist(), strict=True)]
     # one concatenation for the whole batch, cut into its sequences (a few ops, not a few per sequence)
     sequences = torch.cat([utterances[i] for i in chosen]).split(lengths)  # (T_n, F) each
     features = nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # (N, T_max, F)
