@@ -8,6 +8,7 @@ from attnbook import (
     FeedForward,
     MultiHeadAttention,
     cost,
+    measure,
     memory_efficient_attention,
     scaled_dot_product_attention,
 )
@@ -204,49 +205,80 @@ def test_bad_sizes_raise_clear_errors(call, message):
 
 def test_fit_power_law_recovers_the_exponent():
     xs = [16, 32, 64, 128]
-    assert cost.fit_power_law(xs, [3 * x**2.5 for x in xs]) == pytest.approx(2.5)
-    assert cost.fit_power_law(xs, [7.0] * 4) == pytest.approx(0.0, abs=1e-12)
+    assert measure.fit_power_law(xs, [3 * x**2.5 for x in xs]) == pytest.approx(2.5)
+    assert measure.fit_power_law(xs, [7.0] * 4) == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="same length >= 2"):
-        cost.fit_power_law([1, 2], [1, 2, 3])
+        measure.fit_power_law([1, 2], [1, 2, 3])
     with pytest.raises(ValueError, match="positive"):
-        cost.fit_power_law([1, 2], [0, 1])
+        measure.fit_power_law([1, 2], [0, 1])
     with pytest.raises(ValueError, match="not all be equal"):
-        cost.fit_power_law([2, 2], [1, 3])
+        measure.fit_power_law([2, 2], [1, 3])
 
 
-def test_measure_interleaves_and_returns_medians():
+def test_cost_holds_formulas_only():
+    """Timing and memory measurement live in attnbook.measure; cost does not re-export them."""
+    for name in ("measure", "measure_interleaved", "peak_memory", "fit_power_law", "num_threads", "synchronize"):
+        assert not hasattr(cost, name), name
+        assert callable(getattr(measure, name)), name
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """measure's wall clock replaced by a counter that only the timed functions advance."""
+    now = [0.0]
+    monkeypatch.setitem(measure.CLOCKS, "wall", lambda: now[0])
+
+    def taking(durations, calls, label):
+        durations = iter(durations)
+
+        def fn():
+            calls.append(label)
+            now[0] += next(durations)
+
+        return fn
+
+    return taking
+
+
+def test_measure_interleaves_and_returns_medians_or_minima(fake_clock):
     calls = []
-    a, b = (lambda: calls.append("A")), (lambda: calls.append("B"))
-    medians = cost.measure_interleaved([a, b], repeats=3, warmup=1)
+    a = fake_clock([100.0, 5.0, 1.0, 3.0], calls, "A")  # a warm-up run, then three timed runs
+    b = fake_clock([100.0, 2.0, 8.0, 4.0], calls, "B")
+    assert measure.measure_interleaved([a, b], repeats=3, warmup=1) == [3.0, 4.0]  # the warm-up is not timed
     assert calls == ["A", "B"] * 4  # warmup, then A, B, A, B, ...
-    assert len(medians) == 2 and all(m >= 0 for m in medians)
-    assert cost.measure(lambda: sum(range(1000)), repeats=3, warmup=0) > 0
+    a, b = fake_clock([5.0, 1.0, 3.0], calls, "A"), fake_clock([2.0, 8.0, 4.0], calls, "B")
+    assert measure.measure_interleaved([a, b], repeats=3, warmup=0, summary="min") == [1.0, 2.0]
+    assert measure.measure(fake_clock([7.0, 9.0, 8.0], calls, "C"), repeats=3, warmup=0) == 8.0
+
+
+def test_measure_rejects_bad_arguments():
+    def a():
+        return None
+
     with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
-        cost.measure(a, repeats=0)
+        measure.measure(a, repeats=0)
     with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1"):
-        cost.measure(a, warmup=-1)
-    fastest = cost.measure_interleaved([a, b], repeats=3, warmup=0, summary="min")
-    assert all(f >= 0 for f in fastest)
-    with cost.num_threads(1):
-        assert cost.measure(lambda: sum(range(1000)), repeats=2, clock="thread") >= 0
+        measure.measure(a, warmup=-1)
+    with measure.num_threads(1):
+        assert measure.measure(lambda: sum(range(1000)), repeats=2, clock="thread") >= 0  # a real clock
     if torch.get_num_threads() > 1:
-        with pytest.raises(ValueError, match="clock='thread' counts only this thread"):
-            cost.measure(a, clock="thread")
+        with pytest.raises(ValueError, match=r"clock='thread' counts only this thread.*measure.num_threads\(1\)"):
+            measure.measure(a, clock="thread")
     with pytest.raises(ValueError, match="clock must be one of"):
-        cost.measure(a, clock="cpu")
+        measure.measure(a, clock="cpu")
     with pytest.raises(ValueError, match="summary must be one of"):
-        cost.measure(a, summary="mean")
+        measure.measure(a, summary="mean")
     with pytest.raises(TypeError, match="sequence of callables"):
-        cost.measure_interleaved(a)
+        measure.measure_interleaved(a)
 
 
 def test_num_threads_restores_the_previous_setting():
     before = torch.get_num_threads()
-    with cost.num_threads(1):
+    with measure.num_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="threads must be a positive int"):
-        with cost.num_threads(0):
+        with measure.num_threads(0):
             pass
 
 
@@ -261,24 +293,24 @@ def test_peak_memory_counts_live_tensors_only():
         z = y + 1  # 2 MB alive again: x was freed
         return z.view(-1)[:10]  # a view costs nothing
 
-    assert cost.peak_memory(two_alive_at_most) == 2 * 1000 * 250 * 4
+    assert measure.peak_memory(two_alive_at_most) == 2 * 1000 * 250 * 4
     existing = torch.ones(1000, 1000)
-    assert cost.peak_memory(lambda: existing[:10].T.reshape(-1)) == 10 * 1000 * 4  # reshape of a transpose copies
-    assert cost.peak_memory(lambda: existing[:10].T[3:7].unsqueeze(0)) == 0  # views of a tensor made before
-    assert cost.peak_memory(lambda: existing.add_(1)) == 0  # in place
+    assert measure.peak_memory(lambda: existing[:10].T.reshape(-1)) == 10 * 1000 * 4  # reshape of a transpose copies
+    assert measure.peak_memory(lambda: existing[:10].T[3:7].unsqueeze(0)) == 0  # views of a tensor made before
+    assert measure.peak_memory(lambda: existing.add_(1)) == 0  # in place
     with pytest.raises(TypeError, match="fn must be callable"):
-        cost.peak_memory(42)
+        measure.peak_memory(42)
 
 
 def test_naive_attention_stores_the_weights_and_efficient_does_not():
     n, d = 1024, 16
     q, k, v = torch.randn(1, 1, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
     weights_bytes = cost.attention_weights_bytes(n)
-    naive = cost.peak_memory(lambda: scaled_dot_product_attention(q, k, v))
-    efficient = cost.peak_memory(lambda: memory_efficient_attention(q, k, v, block_size=128))
+    naive = measure.peak_memory(lambda: scaled_dot_product_attention(q, k, v))
+    efficient = measure.peak_memory(lambda: memory_efficient_attention(q, k, v, block_size=128))
     assert naive >= weights_bytes  # at least one n x n matrix
     assert efficient < 0.1 * weights_bytes  # blocks of 128 x 128 scores instead
-    bigger = cost.peak_memory(lambda: memory_efficient_attention(q, k, v, block_size=256))
+    bigger = measure.peak_memory(lambda: memory_efficient_attention(q, k, v, block_size=256))
     assert efficient < bigger  # the extra memory grows with the block, not with n
 
 

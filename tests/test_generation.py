@@ -31,12 +31,27 @@ def both(model, prompt, new, temperature, seed=0, **kwargs):
 @pytest.mark.parametrize("batch, prompt_len", [(1, 1), (1, 6), (3, 4)])
 @pytest.mark.parametrize("new", [0, 1, 9, 30])
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
-def test_gpt_cached_and_uncached_give_identical_tokens(gpt, batch, prompt_len, new, temperature):
+def test_gpt_cached_and_uncached_agree(gpt, batch, prompt_len, new, temperature):
+    """Greedy: the same tokens. Sampling: the two paths compute the logits with differently shaped products,
+    which round differently, so a draw near a boundary may fall either way; what must agree is the logits
+    of every step of the cached run and those of the full model on the same tokens, to float32 rounding."""
     prompt = torch.randint(0, VOCAB, (batch, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
-    cached, uncached = both(gpt, prompt, new, temperature, seed=new)
-    assert cached.shape == (batch, prompt_len + new)
-    assert torch.equal(cached[:, :prompt_len], prompt)
-    assert torch.equal(cached, uncached)
+    step_logits = []  # the last position's logits of every model call, the cached run's first
+    hook = gpt.lm_head.register_forward_hook(lambda module, args, out: step_logits.append(out[:, -1]))
+    try:
+        cached, uncached = both(gpt, prompt, new, temperature, seed=new)
+    finally:
+        hook.remove()
+    for tokens in (cached, uncached):
+        assert tokens.shape == (batch, prompt_len + new)
+        assert torch.equal(tokens[:, :prompt_len], prompt)
+    if temperature == 0:
+        assert torch.equal(cached, uncached)
+    assert len(step_logits) == 2 * new  # each run: the prompt once, then one call per new token but the last
+    with torch.no_grad():
+        for step, logits in enumerate(step_logits[:new]):  # (B, vocab) each
+            reference = gpt(cached[:, : prompt_len + step])[:, -1]  # uncached, on the cached run's tokens
+            torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_is_argmax_of_the_full_model_at_every_step(gpt):
@@ -112,7 +127,7 @@ def test_encoder_decoder_computes_cross_attention_keys_once(seq2seq):
     for use_cache in (True, False):
         hooks = [block.cross_attention.k_proj.register_forward_hook(
             lambda *args, use_cache=use_cache: calls.__setitem__(use_cache, calls[use_cache] + 1))
-            for block in seq2seq.decoder_blocks]
+            for block in seq2seq.decoder.blocks]
         try:
             generate(seq2seq, torch.zeros(1, 1, dtype=torch.long), 6, use_cache=use_cache,
                      source=torch.arange(1, 8))
@@ -146,20 +161,24 @@ def test_bad_inputs_raise_clear_errors(gpt, kwargs, error, message):
 
 def test_wrong_model_or_missing_source(seq2seq):
     encoder = EncoderOnlyModel(VOCAB, 16, 2, 1, 20)
-    with pytest.raises(TypeError, match="GPT or EncoderDecoderModel, got EncoderOnlyModel"):
+    with pytest.raises(TypeError, match=r"EncoderOnlyModel lacks the decoding interface.*missing \['decoding_context'"):
         generate(encoder, torch.tensor([[1]]), 2)
-    with pytest.raises(TypeError, match="got Linear"):
+    with pytest.raises(TypeError, match="Linear lacks the decoding interface"):
         generate(torch.nn.Linear(2, 2), torch.tensor([[1]]), 2)
+    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        generate("gpt", torch.tensor([[1]]), 2)
     with pytest.raises(ValueError, match="needs source"):
         generate(seq2seq, torch.tensor([[0]]), 2)
 
 
-def test_caches_follow_the_model_dtype_and_reject_another():
+def test_caches_follow_the_keys_dtype_and_reject_a_second_one():
     model = GPT(vocab_size=11, d_model=16, num_heads=2, num_layers=1, max_len=8).eval()
     assert model.make_caches(1)[0].keys.dtype == torch.float32
-    caches = model.make_caches(1, dtype=torch.float16)
-    with pytest.raises(ValueError, match="KV cache holds torch.float16"):
-        model(torch.zeros(1, 2, dtype=torch.long), caches)
+    caches = model.make_caches(1, dtype=torch.float16)  # empty: the first keys (float32) decide
+    model(torch.zeros(1, 2, dtype=torch.long), caches)
+    assert caches[0].keys.dtype == torch.float32 and caches[0].length == 2
+    with pytest.raises(ValueError, match="KV cache holds torch.float32.*got keys torch.float64"):
+        caches[0].append(torch.zeros(1, 2, 1, 8, dtype=torch.float64), torch.zeros(1, 2, 1, 8, dtype=torch.float64))
     model.double()
     assert model.make_caches(1)[0].keys.dtype == torch.float64
 
@@ -232,3 +251,85 @@ def test_gpt_without_mask_tensor_equals_explicit_causal_mask(gpt):
         for block in gpt.blocks:
             x = block(x, causal_mask(11))
         torch.testing.assert_close(gpt(idx), gpt.lm_head(gpt.final_norm(x)), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- issue 22
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_under_autocast(gpt, seq2seq, use_cache):
+    """Under bf16 autocast the keys arrive in bf16 while the model (and so the preallocated caches) are fp32:
+    the caches follow the keys. Before, every cached step raised 'KV cache holds torch.float32'."""
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tokens = generate(gpt, prompt, 6, use_cache=use_cache)
+        translated = generate(seq2seq, torch.tensor([[0]]), 4, use_cache=use_cache, source=torch.tensor([[1, 2, 3]]))
+    assert tokens.shape == (1, 9) and translated.shape == (1, 5)
+    assert torch.equal(tokens[:, :3], prompt)
+
+
+def test_generate_in_bf16_weights(gpt):
+    model = GPT(VOCAB, 16, 2, 2, 48).to(torch.bfloat16)
+    cached, uncached = (generate(model, torch.tensor([[1, 2]]), 5, use_cache=c) for c in (True, False))
+    assert cached.shape == (1, 7)
+    # one bf16 path against another: the first new token comes from identical computations
+    assert torch.equal(cached[:, :3], uncached[:, :3])
+
+
+def test_generate_accepts_a_wrapped_model(gpt):
+    """generate asks for the decoding interface, not for a class: a compiled model or a user's wrapper works."""
+    expected = generate(gpt, torch.tensor([[1, 2]]), 5)
+    compiled = torch.compile(gpt, backend="eager")  # an OptimizedModule, not a GPT
+    assert not isinstance(compiled, GPT)
+    assert torch.equal(generate(compiled, torch.tensor([[1, 2]]), 5), expected)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.max_len, self.vocab_size = inner.max_len, inner.vocab_size
+
+        def decoding_context(self, batch_size, **inputs):
+            return self.inner.decoding_context(batch_size, **inputs)
+
+        def decoding_caches(self, batch_size, context):
+            return self.inner.decoding_caches(batch_size, context)
+
+        def decode_step(self, tokens, context, caches):
+            return self.inner.decode_step(tokens, context, caches)
+
+    wrapped = Wrapper(gpt).train()
+    assert torch.equal(generate(wrapped, torch.tensor([[1, 2]]), 5), expected)
+    assert wrapped.training and gpt.training  # the caller's mode is restored on the wrapper and inside it
+    wrapped.eval()
+
+
+def test_gpt_refuses_more_or_fewer_caches_than_blocks(gpt):
+    caches = gpt.make_caches(1)
+    with pytest.raises(ValueError, match=f"one cache per block \\({len(gpt.blocks)}\\), got {len(caches) + 1}"):
+        gpt(torch.tensor([[1]]), caches + caches[:1])
+    with pytest.raises(ValueError, match="one cache per block"):
+        gpt(torch.tensor([[1]]), caches[:-1])
+
+
+def test_end_token_stops_and_pads(gpt):
+    full = generate(gpt, torch.tensor([[1, 2], [3, 4]]), 8)
+    end = int(full[0, 4])  # the third new token of the first row
+    stopped = generate(gpt, torch.tensor([[1, 2], [3, 4]]), 8, end_token=end)
+    for row, full_row in zip(stopped.tolist(), full.tolist(), strict=True):
+        new, full_new = row[2:], full_row[2:]
+        cut = full_new.index(end) + 1 if end in full_new else len(full_new)
+        assert new[:cut] == full_new[:cut]  # identical up to the end token
+        assert all(t == end for t in new[cut:])  # then padded with it
+    assert stopped.shape[1] < full.shape[1] or end in full[1, 2:].tolist()
+
+
+def test_suppressed_tokens_are_never_chosen(gpt):
+    full = generate(gpt, torch.tensor([[1, 2]]), 6)
+    banned = sorted(set(full[0, 2:].tolist()))
+    tokens = generate(gpt, torch.tensor([[1, 2]]), 6, suppress=banned)
+    assert not set(tokens[0, 2:].tolist()) & set(banned)
+    first = generate(gpt, torch.tensor([[1, 2]]), 1, suppress_at_start=[int(full[0, 2])])
+    assert int(first[0, 2]) != int(full[0, 2])
+    with pytest.raises(ValueError, match=r"suppress must hold token ids in \[0, 17\), got \[17\]"):
+        generate(gpt, torch.tensor([[1, 2]]), 2, suppress=[VOCAB])

@@ -60,16 +60,20 @@ def test_combine_masks_is_a_broadcast_or():
         combine_masks(causal, torch.zeros(3, 3))
 
 
-def test_causal_mask_after_is_the_bottom_right_block_of_the_causal_mask():
-    from attnbook.masks import causal_mask_after
+def test_causal_mask_with_key_len_is_the_bottom_right_block_of_the_causal_mask():
+    for start, new in [(0, 3), (4, 2), (5, 4), (7, 1)]:
+        assert torch.equal(causal_mask(new, key_len=start + new), causal_mask(start + new)[start:])
+    assert causal_mask(3, key_len=2).tolist() == [[True, True], [False, True], [False, False]]
+    with pytest.raises(ValueError, match="key_len must be a positive int"):
+        causal_mask(3, key_len=0)
 
-    for start, new in [(0, 3), (4, 2), (5, 4)]:
-        assert torch.equal(causal_mask_after(start, new), causal_mask(start + new)[start:])
-    assert causal_mask_after(7, 1) is None
-    with pytest.raises(ValueError, match="start"):
-        causal_mask_after(-1, 2)
-    with pytest.raises(ValueError, match="new must be a positive int"):
-        causal_mask_after(0, 0)
+
+def test_is_causal_uses_the_one_causal_mask():
+    """attention.py has no causal mask of its own: is_causal goes through masks.causal_mask."""
+    import attnbook.attention as attention_module
+
+    assert not hasattr(attention_module, "_causal_mask")
+    assert attention_module.causal_mask is causal_mask
 
 
 def test_attention_mask_for_heads_lives_in_masks():
@@ -78,5 +82,5 @@ def test_attention_mask_for_heads_lives_in_masks():
 
     assert reexported is attention_mask_for_heads
     padding = padding_mask([2, 3], 3)
-    combined = attention_mask_for_heads(causal_mask(3), padding, 2)
+    combined = attention_mask_for_heads(causal_mask(3), padding, 2, 3, 3)
     assert torch.equal(combined, causal_mask(3) | padding[:, None, None, :])

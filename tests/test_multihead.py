@@ -147,23 +147,38 @@ def test_float_mask_matches_nn():
 def test_mask_shapes_broadcast_to_heads():
     B, h, Tq, Tk = 2, 3, 4, 5
     two_d, three_d, four_d = torch.zeros(Tq, Tk).bool(), torch.zeros(B, Tq, Tk).bool(), torch.zeros(B, h, Tq, Tk).bool()
-    assert attention_mask_for_heads(None, None, B) is None
-    assert attention_mask_for_heads(two_d, None, B).shape == (Tq, Tk)
-    assert attention_mask_for_heads(three_d, None, B).shape == (B, 1, Tq, Tk)
-    assert attention_mask_for_heads(four_d, None, B).shape == (B, h, Tq, Tk)
+    assert attention_mask_for_heads(None, None, B, Tq, Tk) is None
+    assert attention_mask_for_heads(two_d, None, B, Tq, Tk).shape == (Tq, Tk)
+    assert attention_mask_for_heads(three_d, None, B, Tq, Tk).shape == (B, 1, Tq, Tk)
+    assert attention_mask_for_heads(four_d, None, B, Tq, Tk).shape == (B, h, Tq, Tk)
     kpm = padding_mask([5, 2])
-    combined = attention_mask_for_heads(two_d, kpm, B)
+    combined = attention_mask_for_heads(two_d, kpm, B, Tq, Tk)
     assert combined.shape == (B, 1, Tq, Tk)
     assert torch.equal(combined[1, 0], kpm[1].expand(Tq, Tk))
-    float_combined = attention_mask_for_heads(torch.zeros(Tq, Tk), kpm, B)
+    float_combined = attention_mask_for_heads(torch.zeros(Tq, Tk), kpm, B, Tq, Tk)
     assert float_combined.dtype == torch.float32
     assert torch.equal(torch.isinf(float_combined[1, 0]), kpm[1].expand(Tq, Tk))
     with pytest.raises(ValueError, match=r"3-D mask.*B=2.*\(3, 4, 5\)"):
-        attention_mask_for_heads(torch.zeros(3, Tq, Tk).bool(), None, B)
+        attention_mask_for_heads(torch.zeros(3, Tq, Tk).bool(), None, B, Tq, Tk)
     with pytest.raises(ValueError, match="key_padding_mask.*torch.float32"):
-        attention_mask_for_heads(None, torch.zeros(B, Tk), B)
+        attention_mask_for_heads(None, torch.zeros(B, Tk), B, Tq, Tk)
     with pytest.raises(ValueError, match=r"key_padding_mask.*\(3, 5\)"):
-        attention_mask_for_heads(None, torch.zeros(3, Tk).bool(), B)
+        attention_mask_for_heads(None, torch.zeros(3, Tk).bool(), B, Tq, Tk)
+
+
+def test_a_padding_mask_passed_as_mask_is_refused():
+    """A (B, Tk) padding mask is not a (Tq, Tk) mask: it must go in key_padding_mask. Before, it failed deep in
+    the broadcast check (B != Tq) with no hint, or was silently read as (Tq, Tk) when it happened to fit."""
+    B, Tq, Tk, d = 2, 3, 5, 8
+    attention = MultiHeadAttention(d, 2)
+    x, memory = torch.randn(B, Tq, d), torch.randn(B, Tk, d)
+    padding = padding_mask([5, 3])  # (B, Tk)
+    with pytest.raises(ValueError, match=r"2-D mask is \(Tq, Tk\) = \(3, 5\).*key_padding_mask"):
+        attention(x, memory, memory, padding)
+    out, _ = attention(x, memory, memory, key_padding_mask=padding)  # the right way
+    assert out.shape == (B, Tq, d)
+    attention(x, memory, memory, torch.zeros(1, Tk, dtype=torch.bool))  # (1, Tk) broadcasts over queries
+    attention(x, memory, memory, torch.zeros(Tq, 1, dtype=torch.bool))
 
 
 def test_matches_nn_at_a_realistic_size():
@@ -343,6 +358,15 @@ def test_load_from_torch_with_separate_key_value_sizes_raises():
     ours = MultiHeadAttention(16, 4)
     with pytest.raises(ValueError, match="kdim == vdim == embed_dim"):
         ours.load_from_torch(nn.MultiheadAttention(16, 4, kdim=8, vdim=8, batch_first=True))
+
+
+@pytest.mark.parametrize("extra", [{"add_bias_kv": True}, {"add_zero_attn": True}])
+def test_load_from_torch_refuses_an_extra_key_and_value(extra):
+    """add_bias_kv / add_zero_attn append a key and value this module does not have: copying the other weights
+    would give outputs about 0.1 off without a word, so the copy is refused."""
+    reference = nn.MultiheadAttention(16, 4, batch_first=True, **extra)
+    with pytest.raises(ValueError, match="add_bias_kv=True or add_zero_attn=True"):
+        MultiHeadAttention(16, 4).load_from_torch(reference)
 
 
 def test_load_from_torch_copies_every_weight():

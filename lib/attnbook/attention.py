@@ -16,91 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .masks import causal_mask
 from .utils import check_positive_int
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _broadcast(*shapes) -> tuple[int, ...] | None:
-    """The broadcast of ``shapes`` (NumPy rules), or ``None`` if they do not broadcast.
-
-    A plain-Python version of ``torch.broadcast_shapes``, which is slow enough to show in the
-    per-token cost of cached generation."""
-    result: list[int] = []
-    length = max(len(s) for s in shapes)
-    padded = [(1,) * (length - len(s)) + tuple(s) for s in shapes]
-    for dims in zip(*padded, strict=True):
-        sizes = {d for d in dims if d != 1}
-        if len(sizes) > 1:
-            return None
-        result.append(sizes.pop() if sizes else 1)
-    return tuple(result)
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() < 2:
-            raise ValueError(f"{name} must have at least 2 dims (..., T, d), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"q, k and v must share one dtype: q is {q.dtype} but {name} is {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"q, k and v must be on one device: q is on {q.device} but {name} is on {t.device}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same feature size d, got q {tuple(q.shape)} and k {tuple(k.shape)}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of tokens Tk, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
-    if _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2]) is None:
-        raise ValueError(f"batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not broadcast")
-
-
-def check_mask(mask: torch.Tensor, scores_shape: tuple[int, ...], device: torch.device | None = None) -> None:
-    """Raise a clear error unless ``mask`` is bool or float, broadcasts to ``scores_shape`` and
-    (when ``device`` is given) lies on ``device``."""
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"mask must be bool (True = blocked) or float (added to the scores), got dtype {mask.dtype}"
-        )
-    if device is not None and mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but q is on {device}: move the mask to the same device")
-    scores_shape = tuple(scores_shape)
-    if _broadcast(mask.shape, scores_shape) != scores_shape:
-        raise ValueError(
-            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {scores_shape} (..., Tq, Tk)"
-        )
-
-
-def _scores_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
-    return (*_broadcast(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
-
-
-def _check_dropout(dropout_p) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    return float(dropout_p)
-
-
-def _causal_mask(n_q: int, n_k: int, device) -> torch.Tensor:
-    """``(Tq, Tk)`` bool, True above the diagonal that ends at the bottom-right corner: query ``i``
-    is token ``Tk - Tq + i`` of the sequence and sees keys ``0 .. Tk - Tq + i`` (as with a KV cache)."""
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).triu(diagonal=n_k - n_q + 1)
 
 
 def _with_causal(mask: torch.Tensor | None, n_q: int, n_k: int, device) -> torch.Tensor | None:
     """``mask`` with the causal mask added (None when a single query may see every key)."""
     if n_q == 1 and n_k >= 1 and mask is None:
         return None
-    causal = _causal_mask(n_q, n_k, device)  # (Tq, Tk)
+    causal = causal_mask(n_q, device, key_len=n_k)  # (Tq, Tk), aligned to the bottom right
     if mask is None:
         return causal
     if mask.dtype == torch.bool:
@@ -293,3 +219,75 @@ def memory_efficient_attention(q, k, v, mask=None, *, block_size: int = 1024, qu
             continue
         torch.div(acc, l.clamp_min_(torch.finfo(compute_dtype).tiny), out=out[:, q_start : q_start + rows])  # 0 / tiny
     return out.reshape(*batch, n_q, dv).to(in_dtype)  # (..., Tq, dv)
+
+
+# --- validation: every public function above checks its inputs with these ---------------------------
+
+
+def _broadcast(*shapes) -> tuple[int, ...] | None:
+    """The broadcast of ``shapes`` (NumPy rules), or ``None`` if they do not broadcast.
+
+    A plain-Python version of ``torch.broadcast_shapes``, which is slow enough to show in the
+    per-token cost of cached generation."""
+    result: list[int] = []
+    length = max(len(s) for s in shapes)
+    padded = [(1,) * (length - len(s)) + tuple(s) for s in shapes]
+    for dims in zip(*padded, strict=True):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            return None
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., T, d), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one dtype: q is {q.dtype} but {name} is {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"q, k and v must be on one device: q is on {q.device} but {name} is on {t.device}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same feature size d, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of tokens Tk, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2]) is None:
+        raise ValueError(f"batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not broadcast")
+
+
+def check_mask(mask: torch.Tensor, scores_shape: tuple[int, ...], device: torch.device | None = None) -> None:
+    """Raise a clear error unless ``mask`` is bool or float, broadcasts to ``scores_shape`` and
+    (when ``device`` is given) lies on ``device``."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = blocked) or float (added to the scores), got dtype {mask.dtype}"
+        )
+    if device is not None and mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}: move the mask to the same device")
+    scores_shape = tuple(scores_shape)
+    if _broadcast(mask.shape, scores_shape) != scores_shape:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {scores_shape} (..., Tq, Tk)"
+        )
+
+
+def _scores_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    return (*_broadcast(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
+
+
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)

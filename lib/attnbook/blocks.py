@@ -101,6 +101,18 @@ class EncoderBlock(nn.Module):
         return self
 
 
+class DecoderOnlyBlock(EncoderBlock):
+    """The block of a decoder-only model (GPT): causal self-attention, then the feed-forward network.
+
+    An :class:`EncoderBlock` whose attention is causal unless told otherwise, aligned to the bottom
+    right: with a :class:`~attnbook.multihead.KVCache` the new tokens are the last ones and see every
+    earlier token. ``forward(x (B, T, d), *, cache=None) -> (B, T, d)``.
+    """
+
+    def forward(self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=True):
+        return super().forward(x, mask, key_padding_mask=key_padding_mask, cache=cache, is_causal=is_causal)
+
+
 class DecoderBlock(nn.Module):
     """Masked self-attention, cross-attention to the encoder's outputs, then a feed-forward network.
 

@@ -26,23 +26,12 @@ Memory: the attention weights are ``h n^2`` numbers per layer and sequence
 (:func:`attention_weights_bytes`); a KV cache of ``T`` tokens is ``2 * layers * T * d`` numbers per
 sequence (:func:`kv_cache_bytes`).
 
-Measuring (timing, peak memory, :func:`fit_power_law`) lives in :mod:`attnbook.measure`; its names
-are re-exported here (``cost.measure``, ``cost.peak_memory``, ...) as the chapters use them.
+Measuring what these formulas predict (timing, peak memory, fitting a power law) is
+:mod:`attnbook.measure`'s job.
 """
 
 from __future__ import annotations
 
-from .measure import (  # noqa: F401  (re-exported: the chapters call cost.measure, cost.peak_memory, ...)
-    CLOCKS,
-    SUMMARIES,
-    TensorMemoryTracker,
-    fit_power_law,
-    measure,
-    measure_interleaved,
-    num_threads,
-    peak_memory,
-    synchronize,
-)
 from .utils import check_positive_int
 
 LAYER_KINDS = ("self-attention", "recurrent")
@@ -183,7 +172,6 @@ def num_patches(image_size: int | tuple[int, int], patch_size: int) -> int:
 
 __all__ = [
     "LAYER_KINDS",
-    "TensorMemoryTracker",
     "attention_core_flops",
     "attention_layer_flops",
     "attention_projection_flops",
@@ -192,16 +180,10 @@ __all__ = [
     "attention_weights_bytes",
     "crossover_length",
     "ffn_flops",
-    "fit_power_law",
     "kv_cache_bytes",
     "layer_crossover_length",
     "max_path_length",
-    "measure",
-    "measure_interleaved",
     "num_patches",
-    "num_threads",
-    "peak_memory",
     "recurrent_flops",
     "sequential_steps",
-    "synchronize",
 ]

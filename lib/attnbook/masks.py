@@ -7,33 +7,23 @@ opposite meaning (``True`` = keep); chapter 2 shows the difference.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from .utils import check_positive_int
+from .utils import check_non_negative_int, check_positive_int
 
 
-def causal_mask(n: int, device=None) -> torch.Tensor:
+def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Tensor:
     """``(n, n)`` bool mask, ``True`` above the diagonal: token ``i`` may not see tokens ``j > i``.
 
-    It leaves ``n (n + 1) / 2`` entries allowed.
+    It leaves ``n (n + 1) / 2`` entries allowed. With ``key_len`` it is ``(n, key_len)`` and aligned to
+    the bottom right, as with a KV cache: the ``n`` queries are the last ``n`` tokens of a sequence whose
+    last ``key_len`` tokens are the keys, so query ``i`` sees keys ``0 .. key_len - n + i`` (none at all
+    for the first ``n - key_len`` queries when ``key_len < n``). This is what ``is_causal=True`` means
+    everywhere in the library (``F.scaled_dot_product_attention`` aligns it to the top left).
     """
     n = check_positive_int("n", n)
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(diagonal=1)
-
-
-def causal_mask_after(start: int, new: int, device=None) -> torch.Tensor | None:
-    """Mask for ``new`` queries at positions ``start .. start+new-1`` over ``start + new`` keys (True = blocked).
-
-    ``None`` when a single new token may see every key (the usual cached generation step). This is
-    the causal mask aligned to the bottom right, as ``is_causal=True`` means in this library.
-    """
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be an int >= 0, got {start!r}")
-    new = check_positive_int("new", new)
-    if new == 1:
-        return None
-    return torch.ones(new, start + new, dtype=torch.bool, device=device).triu(diagonal=start + 1)
+    key_len = n if key_len is None else check_positive_int("key_len", key_len)
+    return torch.ones(n, key_len, dtype=torch.bool, device=device).triu(diagonal=key_len - n + 1)
 
 
 def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
@@ -50,8 +40,8 @@ def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
         raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
     if (lengths < 0).any():
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
-    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 0):
-        raise ValueError(f"max_len must be an int >= 0 or None, got {max_len!r}")
+    if max_len is not None:
+        max_len = check_non_negative_int("max_len", max_len)
     longest = int(lengths.max())
     if max_len is None:
         max_len = longest
@@ -76,14 +66,21 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     return result
 
 
-def attention_mask_for_heads(mask, key_padding_mask, batch_size: int):
+def attention_mask_for_heads(mask, key_padding_mask, batch_size: int, query_len: int, key_len: int):
     """Turn a ``(Tq, Tk)``, ``(B, Tq, Tk)`` or ``(B, h, Tq, Tk)`` mask plus a ``(B, Tk)`` key padding mask
     into one mask that broadcasts to per-head scores ``(B, h, Tq, Tk)`` (``None`` if both are ``None``).
 
-    A float ``mask`` gets ``-inf`` at the padded keys; a bool one is OR-ed with them (:func:`combine_masks`).
+    Padding travels only as ``key_padding_mask``: a 2-D ``mask`` is ``(Tq, Tk)`` (either may be 1 to
+    broadcast), so a ``(B, Tk)`` padding mask passed as ``mask`` raises unless ``B`` happens to equal ``Tq``
+    (then no shape can tell the two apart). A float ``mask`` gets ``-inf`` at the padded keys; a bool one
+    is OR-ed with them (:func:`combine_masks`).
     """
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask is not None and mask.dim() == 2 and (mask.shape[0] not in (1, query_len)
+                                                 or mask.shape[1] not in (1, key_len)):
+        raise ValueError(f"a 2-D mask is (Tq, Tk) = ({query_len}, {key_len}), got {tuple(mask.shape)}; "
+                         "a (B, Tk) padding mask goes in key_padding_mask")
     if mask is not None and mask.dim() == 3:
         if mask.shape[0] not in (1, batch_size):
             raise ValueError(f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got {tuple(mask.shape)}")

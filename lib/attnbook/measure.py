@@ -4,8 +4,7 @@
 on log-log axes, :func:`num_threads` fixes PyTorch's CPU threads for a block, :func:`synchronize`
 waits for queued GPU work, and :func:`peak_memory` measures the peak memory a function allocates
 (CUDA's allocator, or a :class:`TensorMemoryTracker` elsewhere). The chapters and
-``python -m attnbook.bench`` use them; :mod:`attnbook.cost` holds the formulas they are compared with
-(and re-exports these names, as ``cost.measure`` and so on).
+``python -m attnbook.bench`` use them; :mod:`attnbook.cost` holds the formulas they are compared with.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .utils import check_positive_int
+from .utils import check_non_negative_int, check_positive_int
 
 # --------------------------------------------------------------------------- timing
 
@@ -50,10 +49,8 @@ def num_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _check_repeats(repeats: int, warmup: int) -> None:
-    check_positive_int("repeats", repeats)
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+def _check_repeats(repeats: int, warmup: int) -> tuple[int, int]:
+    return check_positive_int("repeats", repeats), check_non_negative_int("warmup", warmup)
 
 
 SUMMARIES = {"median": statistics.median, "min": min}
@@ -83,7 +80,7 @@ def measure_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 5, w
     """
     if callable(fns) or not len(fns) or not all(callable(fn) for fn in fns):
         raise TypeError(f"fns must be a non-empty sequence of callables, got {fns!r}")
-    _check_repeats(repeats, warmup)
+    repeats, warmup = _check_repeats(repeats, warmup)
     if summary not in SUMMARIES:
         raise ValueError(f"summary must be one of {sorted(SUMMARIES)}, got {summary!r}")
     if clock not in CLOCKS:
@@ -91,7 +88,7 @@ def measure_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 5, w
     if clock == "thread" and torch.get_num_threads() != 1:
         raise ValueError(
             f"clock='thread' counts only this thread's CPU time; PyTorch uses {torch.get_num_threads()} threads "
-            "(wrap the timing in cost.num_threads(1))"
+            "(wrap the timing in measure.num_threads(1))"
         )
     now = CLOCKS[clock]
     for _ in range(warmup):

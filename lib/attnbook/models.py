@@ -1,13 +1,20 @@
-"""The three families, built from the library's blocks.
+"""The three families, built from the library's blocks, and the decoding interface they share.
 
 - :class:`EncoderOnlyModel` (BERT-like): bidirectional self-attention; a masked-language-model head
   and a classification head. For understanding tasks (classification, tagging).
 - :class:`GPT` (decoder-only): causal self-attention and a next-token head. For generation.
-- :class:`EncoderDecoderModel` (T5/BART-like): an encoder reads the source; a decoder generates the
-  target with causal self-attention and cross-attention to the encoder's outputs.
+- :class:`EncoderDecoderModel` (T5/BART-like): an encoder reads the source; a
+  :class:`TransformerDecoder` generates the target with causal self-attention and cross-attention to
+  the encoder's outputs. The same decoder class is Whisper's and chapter 10's.
 
-Token ids ``idx`` are ``(B, T)`` LongTensors; hidden states ``(B, T, d_model)``; logits
-``(B, T, vocab_size)``. Pre-norm by default (``norm="post"`` for the original layout).
+Token ids are ``(B, T)`` LongTensors; hidden states ``(B, T, d_model)``; logits ``(B, T, vocab_size)``.
+Pre-norm by default (``norm="post"`` for the original layout).
+
+Every model that generates offers the same small interface to :func:`attnbook.generate`:
+``max_len`` and ``vocab_size`` (of the tokens it writes), ``decoding_context(batch_size, **inputs)``
+(what the decoder reads, computed once: ``None`` for a GPT, the encoder's output otherwise),
+``decoding_caches(batch_size, context)`` (one KV cache per layer) and
+``decode_step(tokens, context, caches) -> logits (B, T, vocab_size)``.
 """
 
 from __future__ import annotations
@@ -15,9 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import DecoderBlock, EncoderBlock
-from .masks import causal_mask_after  # noqa: F401  (its home is masks; speech and chapter 8 import it here)
-from .multihead import KVCache
+from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock
+from .multihead import make_caches
 from .positions import LearnedPositions, SinusoidalPositions
 from .utils import check_positive_int, check_token_ids
 
@@ -39,8 +45,8 @@ def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     return embedding
 
 
-def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm) -> nn.ModuleList:
-    return nn.ModuleList(EncoderBlock(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
+def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm, block=EncoderBlock):
+    return nn.ModuleList(block(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
                          for _ in range(num_layers))
 
 
@@ -49,11 +55,26 @@ def _final_norm(norm: str, d_model: int) -> nn.Module:
     return nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
 
 
+def mean_pool(hidden: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean of the real tokens' vectors: ``hidden (B, T, d)``, ``key_padding_mask (B, T)`` (``True`` at
+    padding, the library's convention) -> ``(B, d)``. Padding does not change a sequence's mean."""
+    if hidden.dim() != 3 or (key_padding_mask is not None and key_padding_mask.shape != hidden.shape[:2]):
+        padding_shape = None if key_padding_mask is None else tuple(key_padding_mask.shape)
+        raise ValueError(f"mean_pool needs hidden (B, T, d) and key_padding_mask (B, T) or None, got "
+                         f"{tuple(hidden.shape)} and {padding_shape}")
+    if key_padding_mask is None:
+        return hidden.mean(dim=1)
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be bool (True at padding), got {key_padding_mask.dtype}")
+    keep = (~key_padding_mask).to(hidden.dtype)[..., None]  # (B, T, 1): 1 for real tokens
+    return (hidden * keep).sum(1) / keep.sum(1).clamp_min(1)  # (B, d)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: token + learned position embeddings, causal blocks, next-token head.
 
-    ``forward(idx (B, T), caches=None) -> logits (B, T, vocab_size)``. With ``caches`` (from
-    :meth:`make_caches`), ``idx`` holds only the new tokens; their keys and values are appended to
+    ``forward(tokens (B, T), caches=None) -> logits (B, T, vocab_size)``. With ``caches`` (from
+    :meth:`make_caches`), ``tokens`` holds only the new tokens; their keys and values are appended to
     each layer's cache and only they are computed.
     """
 
@@ -66,35 +87,49 @@ class GPT(nn.Module):
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm)
+        self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm,
+                                     block=DecoderOnlyBlock)
         self.final_norm = _final_norm(norm, d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def make_caches(self, batch_size: int, device=None, dtype=None) -> list[KVCache]:
-        """One preallocated :class:`KVCache` per layer, for up to ``max_len`` tokens
-        (on the model's device and in its dtype unless given)."""
+    def make_caches(self, batch_size: int, device=None, dtype=None):
+        """One preallocated :class:`~attnbook.multihead.KVCache` per layer, for up to ``max_len`` tokens
+        (on the model's device and in its dtype unless given; the first keys decide in the end)."""
         device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
-        return [KVCache(batch_size, self.num_heads, self.max_len, head_dim, device=device, dtype=dtype)
-                for _ in self.blocks]
+        return make_caches(len(self.blocks), batch_size, self.num_heads, head_dim, self.max_len,
+                           device=device, dtype=dtype)
 
-    def forward(self, idx: torch.Tensor, caches: list[KVCache] | None = None, *,
-                check_ids: bool = True) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, caches=None, *, check_ids: bool = True) -> torch.Tensor:
         """``check_ids=False`` skips the range check of the ids (which reads them back to the host);
         :func:`~attnbook.generation.generate` uses it for the tokens it picked itself."""
         start = caches[0].length if caches else 0
-        check_token_ids(idx, self.vocab_size, self.max_len, start=start, check_range=check_ids)
-        T = idx.shape[1]
-        x = self.dropout(self.positions(self.token_embedding(idx), start))  # (B, T, d)
-        for i, block in enumerate(self.blocks):  # causal: the T new queries see the start + T keys up to them
-            x = block(x, cache=None if caches is None else caches[i], is_causal=T > 1)  # (B, T, d)
+        check_token_ids(tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids)
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"need one cache per block ({len(self.blocks)}), got {len(caches)}")
+        x = self.dropout(self.positions(self.token_embedding(tokens), start))  # (B, T, d)
+        layer_caches = [None] * len(self.blocks) if caches is None else caches
+        for block, cache in zip(self.blocks, layer_caches, strict=True):  # causal: new queries see keys up to them
+            x = block(x, cache=cache)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
+
+    # the decoding interface (see the module docstring)
+    def decoding_context(self, batch_size: int, **inputs):
+        if inputs:
+            raise ValueError(f"a GPT generates from its prompt alone; got extra inputs {sorted(inputs)}")
+        return None
+
+    def decoding_caches(self, batch_size: int, context):
+        return self.make_caches(batch_size)
+
+    def decode_step(self, tokens, context, caches):
+        return self(tokens, caches, check_ids=False)
 
 
 class EncoderOnlyModel(nn.Module):
     """Encoder-only (BERT-like) transformer: every token attends to every other token.
 
-    ``forward(idx (B, T), key_padding_mask=None) -> hidden (B, T, d)``;
+    ``forward(tokens (B, T), key_padding_mask=None) -> hidden (B, T, d)``;
     :meth:`mlm_logits` -> ``(B, T, vocab_size)`` (predict masked tokens);
     :meth:`classify` -> ``(B, num_classes)`` from the mean of the non-padding hidden states.
     """
@@ -113,33 +148,86 @@ class EncoderOnlyModel(nn.Module):
         self.mlm_head = nn.Linear(d_model, vocab_size)
         self.classifier = nn.Linear(d_model, num_classes) if num_classes else None
 
-    def forward(self, idx, key_padding_mask=None):
-        check_token_ids(idx, self.vocab_size, self.max_len)
-        x = self.dropout(self.positions(self.token_embedding(idx)))  # (B, T, d)
+    def forward(self, tokens, key_padding_mask=None):
+        check_token_ids(tokens, self.vocab_size, self.max_len)
+        x = self.dropout(self.positions(self.token_embedding(tokens)))  # (B, T, d)
         for block in self.blocks:
             x = block(x, key_padding_mask=key_padding_mask)  # (B, T, d): no causal mask
         return self.final_norm(x)
 
-    def mlm_logits(self, idx, key_padding_mask=None):
-        return self.mlm_head(self(idx, key_padding_mask))  # (B, T, vocab)
+    def mlm_logits(self, tokens, key_padding_mask=None):
+        return self.mlm_head(self(tokens, key_padding_mask))  # (B, T, vocab)
 
-    def classify(self, idx, key_padding_mask=None):
+    def classify(self, tokens, key_padding_mask=None):
         if self.classifier is None:
             raise ValueError("this model was built without num_classes; pass num_classes=... to classify")
-        hidden = self(idx, key_padding_mask)  # (B, T, d)
-        if key_padding_mask is None:
-            key_padding_mask = torch.zeros_like(idx, dtype=torch.bool)
-        keep = (~key_padding_mask).to(hidden.dtype)  # (B, T): 1 for real tokens
-        pooled = (hidden * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1)  # (B, d)
-        return self.classifier(pooled)  # (B, num_classes)
+        return self.classifier(mean_pool(self(tokens, key_padding_mask), key_padding_mask))  # (B, num_classes)
+
+
+class TransformerDecoder(nn.Module):
+    """The decoder of every encoder–decoder in the book: ``tokens (B, T)`` and the encoder's
+    ``memory (B, S, d)`` -> ``logits (B, T, vocab_size)``.
+
+    Token embedding (times ``embedding_scale``) plus positions (``"learned"`` or ``"sinusoidal"``),
+    :class:`~attnbook.blocks.DecoderBlock` s (causal self-attention, aligned to the bottom right as with
+    a cache; cross-attention whose queries come from the text and whose keys and values come from
+    ``memory``; the feed-forward network), the final norm of a pre-norm stack, and an output head:
+    ``lm_head`` (``nn.Linear``), or with ``tied_head=True`` the token embedding transposed (Whisper).
+    With ``caches`` (from :meth:`make_caches`) ``tokens`` holds only the new tokens.
+    """
+
+    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, hidden=None, dropout=0.0,
+                 norm="pre", activation="gelu", positions="learned", embedding_scale=1.0, tied_head=False,
+                 head_bias=False):
+        super().__init__()
+        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
+                     max_len=max_len)
+        if positions not in ("learned", "sinusoidal"):
+            raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {positions!r}")
+        self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
+        self.embedding_scale = embedding_scale
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.positions = (LearnedPositions(max_len, d_model) if positions == "learned"
+                          else SinusoidalPositions(d_model, max_len))
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(DecoderBlock(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
+                                    for _ in range(num_layers))
+        self.norm = _final_norm(norm, d_model)
+        self.lm_head = None if tied_head else nn.Linear(d_model, vocab_size, bias=head_bias)
+
+    def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
+        """Per block: a self-attention cache (grows) and a static cross-attention cache (filled once)."""
+        device, dtype = _device_and_dtype(self, device, dtype)
+        head_dim = self.token_embedding.embedding_dim // self.num_heads
+        return make_caches(len(self.blocks), batch_size, self.num_heads, head_dim, self.max_len,
+                           memory_len=memory_len, device=device, dtype=dtype)
+
+    def forward(self, tokens, memory, memory_padding_mask=None, caches=None, *, check_ids: bool = True):
+        start = caches[0][0].length if caches else 0
+        check_token_ids(tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids, name="tokens")
+        if tokens.shape[0] != memory.shape[0]:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} differ in batch size")
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"need one (self, cross) cache pair per block ({len(self.blocks)}), got {len(caches)}")
+        embedded = self.token_embedding(tokens) * self.embedding_scale if self.embedding_scale != 1.0 \
+            else self.token_embedding(tokens)
+        x = self.dropout(self.positions(embedded, start))  # (B, T, d)
+        layer_caches = [(None, None)] * len(self.blocks) if caches is None else caches
+        for block, (self_cache, cross_cache) in zip(self.blocks, layer_caches, strict=True):
+            x = block(x, memory, memory_key_padding_mask=memory_padding_mask, self_cache=self_cache,
+                      cross_cache=cross_cache, is_causal=True)  # (B, T, d)
+        x = self.norm(x)
+        if self.lm_head is None:
+            return x @ self.token_embedding.weight.T  # (B, T, vocab): the output projection is the embedding
+        return self.lm_head(x)  # (B, T, vocab)
 
 
 class EncoderDecoderModel(nn.Module):
     """Encoder–decoder (T5/BART-like) transformer with sinusoidal positions.
 
     ``forward(source (B, S), target (B, T), source_padding_mask=None) -> logits (B, T, target_vocab_size)``;
-    :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the decoder on it
-    (with per-layer self-attention and cross-attention caches from :meth:`make_caches`).
+    :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the :class:`TransformerDecoder`
+    on it (with per-layer self-attention and cross-attention caches from :meth:`make_caches`).
     """
 
     def __init__(self, source_vocab_size, target_vocab_size, d_model, num_heads, num_encoder_layers,
@@ -150,21 +238,22 @@ class EncoderDecoderModel(nn.Module):
                      num_decoder_layers=num_decoder_layers, max_len=max_len)
         self.source_vocab_size, self.target_vocab_size = source_vocab_size, target_vocab_size
         self.max_len, self.num_heads = max_len, num_heads
-        self.source_embedding = nn.Embedding(source_vocab_size, d_model)
-        self.target_embedding = nn.Embedding(target_vocab_size, d_model)
-        for embedding in (self.source_embedding, self.target_embedding):  # std d^-1/2, so after the sqrt(d) scale
-            nn.init.normal_(embedding.weight, std=d_model**-0.5)  # tokens and positions are both of size ~1
-        self.positions = SinusoidalPositions(d_model)
         self.scale = d_model**0.5  # embeddings scaled by sqrt(d) before adding positions, as in the original
+        self.source_embedding = nn.Embedding(source_vocab_size, d_model)
+        self.positions = SinusoidalPositions(d_model, max_len)
         self.dropout = nn.Dropout(dropout)
         self.encoder_blocks = _encoder_stack(num_encoder_layers, d_model, num_heads, hidden, dropout, activation, norm)
-        self.decoder_blocks = nn.ModuleList(
-            DecoderBlock(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
-            for _ in range(num_decoder_layers)
-        )
         self.encoder_norm = _final_norm(norm, d_model)
-        self.decoder_norm = _final_norm(norm, d_model)
-        self.lm_head = nn.Linear(d_model, target_vocab_size, bias=False)
+        self.decoder = TransformerDecoder(target_vocab_size, d_model, num_heads, num_decoder_layers, max_len,
+                                          hidden=hidden, dropout=dropout, norm=norm, activation=activation,
+                                          positions="sinusoidal", embedding_scale=self.scale)
+        for embedding in (self.source_embedding, self.decoder.token_embedding):  # std d^-1/2: after the sqrt(d)
+            nn.init.normal_(embedding.weight, std=d_model**-0.5)  # scale tokens and positions are both of size ~1
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary of the tokens it writes (the target's)."""
+        return self.target_vocab_size
 
     def encode(self, source, source_padding_mask=None):
         check_token_ids(source, self.source_vocab_size, self.max_len, name="source ids")
@@ -175,24 +264,37 @@ class EncoderDecoderModel(nn.Module):
 
     def decode(self, target, memory, source_padding_mask=None, caches=None, *, check_ids: bool = True):
         """Decoder logits ``(B, T, target_vocab)`` for ``target (B, T)`` (only the new tokens with ``caches``)."""
-        start = caches[0][0].length if caches else 0
-        check_token_ids(target, self.target_vocab_size, self.max_len, start=start, check_range=check_ids,
-                        name="target ids")
-        T = target.shape[1]
-        x = self.dropout(self.positions(self.target_embedding(target) * self.scale, start))  # (B, T, d)
-        for i, block in enumerate(self.decoder_blocks):
-            self_cache, cross_cache = caches[i] if caches else (None, None)
-            x = block(x, memory, memory_key_padding_mask=source_padding_mask, self_cache=self_cache,
-                      cross_cache=cross_cache, is_causal=T > 1)
-        return self.lm_head(self.decoder_norm(x))  # (B, T, target_vocab)
+        return self.decoder(target, memory, source_padding_mask, caches, check_ids=check_ids)
 
     def forward(self, source, target, source_padding_mask=None):
         return self.decode(target, self.encode(source, source_padding_mask), source_padding_mask)
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
         """Per decoder layer: a self-attention cache (grows) and a static cross-attention cache (filled once)."""
-        device, dtype = _device_and_dtype(self, device, dtype)
-        head_dim = self.target_embedding.embedding_dim // self.num_heads
-        return [(KVCache(batch_size, self.num_heads, self.max_len, head_dim, device=device, dtype=dtype),
-                 KVCache(batch_size, self.num_heads, memory_len, head_dim, device=device, dtype=dtype, static=True))
-                for _ in self.decoder_blocks]
+        return self.decoder.make_caches(batch_size, memory_len, device, dtype)
+
+    # the decoding interface (see the module docstring)
+    def decoding_context(self, batch_size: int, source=None, source_padding_mask=None):
+        """``(memory (B, S, d), source_padding_mask (B, S) or None)`` for ``source (B, S)`` token ids."""
+        if source is None:
+            raise ValueError("an EncoderDecoderModel needs source=(B, S) token ids to generate from")
+        device = next(self.parameters()).device
+        source = torch.as_tensor(source)
+        source = (source[None] if source.dim() == 1 else source).to(device=device, dtype=torch.long)
+        if source.shape[0] != batch_size:
+            raise ValueError(f"source has batch size {source.shape[0]} but the prompt has {batch_size}")
+        if source_padding_mask is not None:
+            source_padding_mask = torch.as_tensor(source_padding_mask)
+            source_padding_mask = source_padding_mask[None] if source_padding_mask.dim() == 1 else source_padding_mask
+            if source_padding_mask.shape != source.shape:
+                raise ValueError(f"source_padding_mask {tuple(source_padding_mask.shape)} must have the source's "
+                                 f"shape {tuple(source.shape)}")
+            source_padding_mask = source_padding_mask.to(device=device, dtype=torch.bool)
+        return self.encode(source, source_padding_mask), source_padding_mask
+
+    def decoding_caches(self, batch_size: int, context):
+        return self.make_caches(batch_size, context[0].shape[1])
+
+    def decode_step(self, tokens, context, caches):
+        memory, source_padding_mask = context
+        return self.decode(tokens, memory, source_padding_mask, caches, check_ids=False)

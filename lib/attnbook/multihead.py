@@ -18,7 +18,7 @@ from .positions import apply_rope
 from .utils import check_positive_int
 
 __all__ = ["KVCache", "MultiHeadAttention", "RotaryMultiHeadAttention", "WideMultiHeadAttention",
-           "attention_mask_for_heads", "merge_heads", "split_heads"]
+           "attention_mask_for_heads", "make_caches", "merge_heads", "split_heads"]
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -39,8 +39,10 @@ class KVCache:
     """Keys and values of earlier tokens for one attention layer, in preallocated tensors.
 
     ``keys`` and ``values`` are ``(B, h, max_len, head_dim)``; ``length`` tokens are filled.
-    :meth:`append` writes new keys/values in place (no concatenation, no reallocation).
-    A ``static`` cache (cross-attention) is filled once and then reused as it is.
+    :meth:`append` writes new keys/values in place (no concatenation, no reallocation). The first
+    append decides the dtype and device: an empty cache whose keys arrive in another dtype (under
+    autocast, say) or on another device is reallocated to match them once. A ``static`` cache
+    (cross-attention) is filled once and then reused as it is.
     """
 
     def __init__(self, batch_size, num_heads, max_len, head_dim, *, device=None, dtype=torch.float32, static=False):
@@ -63,8 +65,15 @@ class KVCache:
                 f"KV cache expects keys and values (B={B}, h={h}, t, head_dim={head_dim}), "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        if k.dtype != self.keys.dtype or v.dtype != self.keys.dtype:
-            raise ValueError(f"KV cache holds {self.keys.dtype}, got keys {k.dtype} and values {v.dtype}")
+        if v.dtype != k.dtype or v.device != k.device:
+            raise ValueError(f"keys and values must share dtype and device, got {k.dtype} on {k.device} "
+                             f"and {v.dtype} on {v.device}")
+        if self.length == 0 and (k.dtype != self.keys.dtype or k.device != self.keys.device):
+            self.keys = torch.zeros(self.keys.shape, device=k.device, dtype=k.dtype)  # follow the activations
+            self.values = torch.zeros(self.values.shape, device=k.device, dtype=k.dtype)
+        if k.dtype != self.keys.dtype or k.device != self.keys.device:
+            raise ValueError(f"KV cache holds {self.keys.dtype} on {self.keys.device}, got keys {k.dtype} on "
+                             f"{k.device}: one generation must keep one dtype")
         t = k.shape[2]
         if self.length + t > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; cannot add {t} to the {self.length} stored")
@@ -76,6 +85,18 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the preallocated keys and values."""
         return self.keys.numel() * self.keys.element_size() * 2
+
+
+def make_caches(num_layers: int, batch_size: int, num_heads: int, head_dim: int, max_len: int, *,
+                memory_len: int | None = None, device=None, dtype=torch.float32):
+    """The library's one cache factory: one :class:`KVCache` of ``max_len`` tokens per layer, or, with
+    ``memory_len`` (an encoder–decoder), a pair per layer: the growing self-attention cache and a
+    static cross-attention cache of ``memory_len`` keys, filled once from the encoder's output."""
+    sizes = dict(device=device, dtype=dtype)
+    if memory_len is None:
+        return [KVCache(batch_size, num_heads, max_len, head_dim, **sizes) for _ in range(num_layers)]
+    return [(KVCache(batch_size, num_heads, max_len, head_dim, **sizes),
+             KVCache(batch_size, num_heads, memory_len, head_dim, static=True, **sizes)) for _ in range(num_layers)]
 
 
 class MultiHeadAttention(nn.Module):
@@ -139,7 +160,7 @@ class MultiHeadAttention(nn.Module):
             q, k = self.project_queries_keys(q, k, start)
             if cache is not None:
                 k, v = cache.append(k, v)  # all keys/values so far: (B, h, start + Tk, d/h)
-        mask = attention_mask_for_heads(mask, key_padding_mask, B)
+        mask = attention_mask_for_heads(mask, key_padding_mask, B, q.shape[2], k.shape[2])
         dropout_p = self.dropout if self.training else 0.0  # one computation, the fused kernel's without weights
         out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, is_causal=is_causal,
                                                     dropout_p=dropout_p)  # (B, h, Tq, d/h), weights after dropout
@@ -155,6 +176,9 @@ class MultiHeadAttention(nn.Module):
             )
         if not reference._qkv_same_embed_dim:
             raise ValueError("reference must have kdim == vdim == embed_dim")
+        if reference.bias_k is not None or reference.add_zero_attn:
+            raise ValueError("reference has add_bias_kv=True or add_zero_attn=True (an extra key and value this "
+                             "module does not have): build it with both False")
         if (reference.in_proj_bias is None) != (self.q_proj.bias is None):
             has_bias = reference.in_proj_bias is not None
             raise ValueError(f"reference has bias={has_bias}; this module has bias={not has_bias}")
@@ -191,7 +215,7 @@ class WideMultiHeadAttention(nn.Module):
         q = split_heads(self.q_proj(query), h)  # (B, h, Tq, d)
         k = split_heads(self.k_proj(key), h)  # (B, h, Tk, d)
         v = split_heads(self.v_proj(value), h)  # (B, h, Tk, d)
-        mask = attention_mask_for_heads(mask, key_padding_mask, query.shape[0])
+        mask = attention_mask_for_heads(mask, key_padding_mask, query.shape[0], query.shape[1], key.shape[1])
         out, weights = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, is_causal=is_causal)
         return self.out_proj(merge_heads(out)), weights
 

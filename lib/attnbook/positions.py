@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .utils import check_positive_int
 
-def _check_size(name: str, value, *, even: bool = False) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+def _check_size(name: str, value, *, even: bool = False) -> int:
+    value = check_positive_int(name, value)
     if even and value % 2:
         raise ValueError(f"{name} must be even (sin/cos pairs), got {value}")
+    return value
 
 
 def sinusoidal_encoding(n: int, d: int, base: float = 10000.0) -> torch.Tensor:
@@ -40,19 +42,26 @@ def _check_positions_input(x: torch.Tensor, start, d_model: int) -> None:
 
 
 class SinusoidalPositions(nn.Module):
-    """Adds the sinusoidal encoding to ``x (B, T, d)``; defined for every position, no parameters."""
+    """Adds the sinusoidal encoding to ``x (B, T, d)``; no parameters.
 
-    def __init__(self, d_model: int):
+    The table is computed once for positions ``0 .. max_len - 1``; a longer input raises (the formula
+    covers any position: build the module with a larger ``max_len``)."""
+
+    def __init__(self, d_model: int, max_len: int = 1024):
         super().__init__()
-        _check_size("d_model", d_model, even=True)
-        self.d_model = d_model
-        self.register_buffer("table", sinusoidal_encoding(1, d_model), persistent=False)
+        self.d_model = _check_size("d_model", d_model, even=True)
+        self.register_buffer("table", sinusoidal_encoding(_check_size("max_len", max_len), d_model), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.table.shape[0]
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         _check_positions_input(x, start, self.d_model)
         end = start + x.shape[1]
-        if end > self.table.shape[0]:  # grow the table: the formula covers any position
-            self.table = sinusoidal_encoding(max(end, 2 * self.table.shape[0]), self.d_model).to(x.device)
+        if end > self.max_len:
+            raise ValueError(f"positions up to {end - 1} requested but this table was computed for "
+                             f"0..{self.max_len - 1}; build SinusoidalPositions(d_model, max_len={end}) or more")
         return x + self.table[start:end].to(x.dtype)
 
 

@@ -11,6 +11,10 @@
 - ``eval_fn(model) -> value`` (optional): run every ``eval_every`` steps and after the last one, in
   ``eval()`` mode under ``torch.no_grad()``; ``value`` is a number or a dict of numbers.
 
+For classifiers (the ViT and the CNN of chapter 9): :func:`train_classifier` draws random batches of
+``(inputs, labels)`` and trains with cross-entropy through :func:`train`; :func:`accuracy` scores a
+model and :func:`count_parameters` counts its trainable parameters.
+
 The learning rate follows :func:`lr_at`: a linear warm-up over ``warmup`` steps to ``lr``, then a
 half cosine down to ``min_lr_ratio * lr`` at the end. Weight decay applies to matrices only
 (weights of linear layers and embeddings), not to biases or LayerNorm parameters.
@@ -25,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .utils import progress
+from .utils import check_non_negative_int, check_positive_int, eval_mode, generator, progress
 
 
 def lr_at(step: int, *, steps: int, lr: float, warmup: int = 0, min_lr_ratio: float = 0.1) -> float:
@@ -38,9 +43,10 @@ def lr_at(step: int, *, steps: int, lr: float, warmup: int = 0, min_lr_ratio: fl
       ``p = (step - warmup) / (steps - warmup)``, so ``lr`` at ``step = warmup`` and
       ``min_lr = min_lr_ratio * lr`` at ``step = steps``.
     """
-    if steps <= 0 or lr <= 0:
-        raise ValueError(f"steps and lr must be > 0, got steps={steps}, lr={lr}")
-    if not 0 <= warmup < steps:
+    steps, warmup = check_positive_int("steps", steps), check_non_negative_int("warmup", warmup)
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if warmup >= steps:
         raise ValueError(f"warmup must lie in [0, steps={steps}), got {warmup}")
     if not 0 <= min_lr_ratio <= 1:
         raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
@@ -118,19 +124,18 @@ def train(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    steps = check_positive_int("steps", steps)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 or None, got {clip!r}")
-    warmup = steps // 20 if warmup is None else warmup
-    if not isinstance(warmup, int) or not 0 <= warmup < steps:
+    warmup = steps // 20 if warmup is None else check_non_negative_int("warmup", warmup)
+    if warmup >= steps:
         raise ValueError(f"warmup must be an int in [0, steps={steps}), got {warmup!r}")
-    if eval_every is not None and (not isinstance(eval_every, int) or eval_every <= 0):
-        raise ValueError(f"eval_every must be a positive int or None, got {eval_every!r}")
+    if eval_every is not None:
+        eval_every = check_positive_int("eval_every", eval_every)
     if callable(batches):
         next_batch = batches
     else:
@@ -189,3 +194,64 @@ def train(
         evaluate(steps)
     history.seconds = time.perf_counter() - start
     return history
+
+
+# ----------------------------------------------------------------------------------------------
+# Classifiers: train with cross-entropy, score by accuracy
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _check_dataset(inputs, labels) -> None:
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1 or not inputs.is_floating_point():
+        raise ValueError(f"images must be a float tensor (N, ...), e.g. (N, C, H, W), got "
+                         f"{getattr(inputs, 'dtype', type(inputs).__name__)} {tuple(getattr(inputs, 'shape', ()))}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.long or labels.shape != inputs.shape[:1]:
+        raise ValueError(f"labels must be an int64 tensor (N,) matching images {tuple(inputs.shape)}, got "
+                         f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+
+
+def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> float:
+    """Fraction of ``images (N, ...)`` whose predicted class (arg max of the logits) is ``labels (N,)``.
+
+    Runs in eval mode without gradients, ``batch_size`` images at a time, on the model's device; the
+    caller's training mode is restored, even after an error."""
+    _check_dataset(images, labels)
+    batch_size = check_positive_int("batch_size", batch_size)
+    device = next(model.parameters()).device
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    with eval_mode(model):
+        for start in range(0, len(images), batch_size):
+            x = images[start : start + batch_size].to(device)  # (b, ...)
+            y = labels[start : start + batch_size].to(device)  # (b,)
+            correct += (model(x).argmax(dim=-1) == y).sum()  # counted on the device: one read-back at the end
+    return int(correct) / len(images)
+
+
+def train_classifier(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, steps: int,
+                     batch_size: int = 128, lr: float = 3e-3, weight_decay: float = 0.05, seed: int = 0,
+                     desc: str = "training", show_progress: bool = False) -> History:
+    """Train ``model`` on ``images (N, ...)``, ``labels (N,)`` with cross-entropy for ``steps`` steps.
+
+    Each step draws ``batch_size`` random images (with :func:`attnbook.generator` seeded by ``seed``,
+    so ``ATTNBOOK_SEED_OFFSET`` changes them); the loop is :func:`train` (AdamW, warm-up then cosine
+    decay, gradient clipping). Returns its :class:`History`."""
+    _check_dataset(images, labels)
+    batch_size = check_positive_int("batch_size", batch_size)
+    device = next(model.parameters()).device
+    images, labels = images.to(device), labels.to(device)
+    g = generator(seed)
+
+    def batch():
+        index = torch.randint(len(images), (batch_size,), generator=g).to(device)  # (batch_size,)
+        return images[index], labels[index]
+
+    def loss_fn(model, batch):
+        x, y = batch  # (b, ...), (b,)
+        return F.cross_entropy(model(x), y)
+
+    return train(model, batch, loss_fn, steps=steps, lr=lr, weight_decay=weight_decay, desc=desc,
+                 show_progress=show_progress)

