@@ -12,6 +12,8 @@
 #                  (JOBS=2 as for execute: the wall time of the whole book two at a time)
 #   make gpu-settings  execute every notebook on the CPU with the longer trainings a GPU gets, into a
 #                  temporary folder; fails if any cell raises (about 13 minutes on 2 cores)
+#   make gpu-test  the tests marked gpu: every model on CUDA, float32 and float16 autocast (skipped,
+#                  with the reason, without CUDA; ATTNBOOK_GPU_TESTS_ON_CPU=1 runs them on the CPU)
 #   make lint      ruff only
 #   make clean     remove the build and caches (keeps .venv)
 #
@@ -48,10 +50,10 @@ unexport MPLBACKEND
 # --all: rebuild every page, so that warnings of unchanged pages are reported again.
 JB_BUILD := $(BIN)/jupyter-book build --all --warningiserror --nitpick --keep-going .
 
-.PHONY: help venv book test unit nbval robust timings gpu-settings site lab execute lint clean
+.PHONY: help venv book test unit nbval robust timings gpu-settings gpu-test site lab execute lint clean
 
 help:
-	@sed -n '2,16p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,18p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- environment -----------------------------------------------------------------------------
 
@@ -125,6 +127,10 @@ gpu-settings: $(STAMP)
 	IPYTHONDIR="$$out/ipython" $(BIN)/python scripts/execute_notebooks.py --out "$$out" --jobs 2 $(NB) \
 		|| status=1; \
 	rm -rf "$$out"; exit $$status
+
+# The tests marked gpu (tests/test_gpu.py): forward, backward and generation of every model on CUDA.
+gpu-test: $(STAMP)
+	$(BIN)/pytest -q -m gpu tests
 
 # The browser test of the built site (needs _build/html and Debian's chromium).
 site: $(STAMP)

@@ -381,6 +381,7 @@ def test_benchmark_check_fails_on_a_missed_bar(monkeypatch, capsys):
         monkeypatch.setattr(bench, name, lambda *a, **k: (0.01, 1, 100))
     monkeypatch.setattr(bench, "kv_cache_speedup", lambda *a, **k: (20.0, True))
     monkeypatch.setattr(bench, "generate_vs_transformers", lambda *a, **k: 0.5)
+    monkeypatch.setattr(bench, "generate_vs_floor", lambda *a, **k: 1.1)
     monkeypatch.setattr(bench, "train_step_vs_transformers", lambda *a, **k: 0.9)
     monkeypatch.setattr(bench, "mha_vs_torch", lambda *a, **k: (1.0, True))
     assert bench.main(["--quick", "--check"]) == 1
@@ -388,4 +389,5 @@ def test_benchmark_check_fails_on_a_missed_bar(monkeypatch, capsys):
     assert "machine: " in out and "torch " in out and "threads" in out
     assert "efficient_attention_vs_torch_1024: 9.000 (bar <= 2.5: MISSED)" in out
     assert "kv_cache_speedup_128: 20.0 (bar >= 15.0: met)" in out
+    assert "generate_vs_floor_128: 1.100 (bar <= 1.15: met)" in out
     assert bench.main(["--quick"]) == 0  # without --check the status is 0

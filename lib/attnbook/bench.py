@@ -19,6 +19,13 @@ the two compare rather than on how fast the machine is:
   ``generate`` (``use_cache=True``, greedy) of transformers' ``GPT2LMHeadModel`` of the same sizes
   (vocab 256, d 256, 4 heads, 4 layers, 1024 positions; built from a local ``GPT2Config``, nothing
   downloaded), 512 new tokens from 16, on one CPU thread. Bar: <= 0.6.
+- ``generate_vs_floor``: our cached greedy :func:`~attnbook.generation.generate` / :func:`floor_generate`,
+  a hand-written greedy loop over the same GPT's weights that calls only the kernels (``F.embedding``,
+  ``F.layer_norm``, ``F.linear``, ``F.gelu``, ``F.scaled_dot_product_attention``) and writes keys and
+  values in place into preallocated tensors: no modules, no checks. It is the floor of those kernels on
+  this machine, so the ratio is what our modules, checks and cache cost on top. Same sizes and tokens as
+  ``generate_vs_transformers``, one CPU thread; the two loops' tokens must be equal (else it raises).
+  Bar: <= 1.15.
 - ``train_step_vs_transformers``: forward + backward + AdamW step of our ``GPT`` / that GPT-2, B=8,
   T=256, dropout 0 in both, cross-entropy of the next token, on one CPU thread. Bar: <= 1.0.
 - ``mha_vs_torch``: our ``MultiHeadAttention`` (``need_weights=False``) / ``nn.MultiheadAttention``
@@ -27,7 +34,9 @@ the two compare rather than on how fast the machine is:
 
 ``--quick`` uses smaller sizes and fewer repetitions; every name then carries the size it was
 measured at (e.g. ``kv_cache_speedup_128``), and the bar of the full figure is shown beside it.
-``--check`` exits with status 1 when a bar is missed. ``--threads N`` sets PyTorch's CPU threads for
+``--check`` exits with status 1 when a bar is missed. ``--only GROUP[,GROUP]`` measures only some figures
+(groups: ``attention``, ``memory``, ``kv_cache``, ``generation`` (both ``generate_vs_*``), ``training``,
+``mha``). ``--threads N`` sets PyTorch's CPU threads for
 the attention figures; the generation and training figures always run on one CPU thread (steadiest:
 a thread pool on a busy machine can stall for milliseconds on each of their many small operations).
 Attention, memory and ``mha_vs_torch`` run on :func:`attnbook.device`; generation and training on the CPU.
@@ -58,9 +67,11 @@ BARS = {  # figure (without its size): (comparison, bound)
     "efficient_attention_peak_memory": ("<=", 0.05),
     "kv_cache_speedup": (">=", 15.0),
     "generate_vs_transformers": ("<=", 0.6),
+    "generate_vs_floor": ("<=", 1.15),
     "train_step_vs_transformers": ("<=", 1.0),
     "mha_vs_torch": ("<=", 1.1),
 }
+GROUPS = ("attention", "memory", "kv_cache", "generation", "training", "mha")  # for --only
 GPT_SIZES = dict(vocab_size=256, d_model=256, num_heads=4, num_layers=4, max_len=1024)
 
 
@@ -189,6 +200,106 @@ def generate_vs_transformers(new_tokens: int, repeats: int) -> float:
     return ours_time / theirs_time
 
 
+def _floor_layers(gpt: GPT) -> list[tuple[torch.Tensor | float, ...]]:
+    """Each block's weights, in the order the floor loop uses them (raises for a layout it does not know)."""
+    layers = []
+    for i, block in enumerate(gpt.blocks):
+        attention, feed_forward = block.self_attention, block.feed_forward
+        if getattr(block, "norm_position", None) != "pre" or not isinstance(feed_forward.activation, nn.GELU):
+            raise ValueError(f"floor_generate knows the pre-norm GELU GPT only; block {i} has "
+                             f"norm={getattr(block, 'norm_position', None)!r}, activation {feed_forward.activation!r}")
+        if type(attention) is not MultiHeadAttention:  # a subclass may change queries and keys (RoPE)
+            raise ValueError(f"floor_generate knows plain MultiHeadAttention only; block {i} has "
+                             f"{type(attention).__name__}")
+        layers.append((block.norm1.weight, block.norm1.bias, block.norm1.eps,
+                       attention.q_proj.weight, attention.q_proj.bias, attention.k_proj.weight, attention.k_proj.bias,
+                       attention.v_proj.weight, attention.v_proj.bias, attention.out_proj.weight,
+                       attention.out_proj.bias, block.norm2.weight, block.norm2.bias, block.norm2.eps,
+                       feed_forward.fc1.weight, feed_forward.fc1.bias, feed_forward.activation.approximate,
+                       feed_forward.fc2.weight, feed_forward.fc2.bias))
+    return layers
+
+
+@torch.no_grad()
+def floor_generate(gpt: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy generation with ``gpt``'s weights by the kernels alone: the floor for :func:`generate`.
+
+    ``prompt (B, T0)`` -> ``(B, T0 + new_tokens)``, the same tokens as ``generate(gpt, prompt, new_tokens)``
+    for a pre-norm GELU :class:`~attnbook.models.GPT` in eval mode (dropout is not applied). One
+    ``F.*`` call per operation, keys and values written in place into tensors allocated once, no
+    module calls and no checks of the tensors: what is left is the arithmetic. Gradients are off, as
+    in :func:`generate`.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be (B, T0) with T0 >= 1, got shape {tuple(prompt.shape)}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
+    B, T0 = prompt.shape
+    total = T0 + new_tokens
+    if total > gpt.max_len:
+        raise ValueError(f"prompt of {T0} tokens + new_tokens={new_tokens} exceeds max_len={gpt.max_len}")
+    if not isinstance(gpt.final_norm, nn.LayerNorm):
+        raise ValueError(f"floor_generate knows the pre-norm GPT only (a final LayerNorm), got {gpt.final_norm!r}")
+    layers = _floor_layers(gpt)
+    embedding, table = gpt.token_embedding.weight, gpt.positions.table  # (vocab, d), (max_len, d)
+    final_weight, final_bias, final_eps = gpt.final_norm.weight, gpt.final_norm.bias, gpt.final_norm.eps
+    head = gpt.lm_head.weight  # (vocab, d), no bias
+    d = embedding.shape[1]
+    h = gpt.num_heads
+    head_dim = d // h
+    keys = [embedding.new_empty(B, h, total, head_dim) for _ in layers]  # (B, h, total, d/h) each
+    values = [embedding.new_empty(B, h, total, head_dim) for _ in layers]
+
+    def logits_of(ids: torch.Tensor, start: int) -> torch.Tensor:  # ids (B, T) at positions start.. -> (B, vocab)
+        T = ids.shape[1]
+        end = start + T
+        x = F.embedding(ids, embedding) + table[start:end]  # (B, T, d)
+        for (norm1_w, norm1_b, norm1_eps, wq, bq, wk, bk, wv, bv, wo, bo, norm2_w, norm2_b, norm2_eps,
+             w1, b1, approximate, w2, b2), k, v in zip(layers, keys, values, strict=True):
+            y = F.layer_norm(x, (d,), norm1_w, norm1_b, norm1_eps)  # (B, T, d)
+            q = F.linear(y, wq, bq).view(B, T, h, head_dim).transpose(1, 2)  # (B, h, T, d/h)
+            k[:, :, start:end] = F.linear(y, wk, bk).view(B, T, h, head_dim).transpose(1, 2)
+            v[:, :, start:end] = F.linear(y, wv, bv).view(B, T, h, head_dim).transpose(1, 2)
+            # the prompt (start 0) is causal; one new token sees every key so far
+            out = F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], is_causal=T > 1)  # (B, h, T, d/h)
+            x = x + F.linear(out.transpose(1, 2).reshape(B, T, d), wo, bo)  # (B, T, d)
+            y = F.layer_norm(x, (d,), norm2_w, norm2_b, norm2_eps)
+            x = x + F.linear(F.gelu(F.linear(y, w1, b1), approximate=approximate), w2, b2)  # (B, T, d)
+        return F.linear(F.layer_norm(x, (d,), final_weight, final_bias, final_eps), head)[:, -1]  # (B, vocab)
+
+    tokens = prompt.new_empty(B, total)  # (B, T0 + new)
+    tokens[:, :T0] = prompt
+    logits = logits_of(prompt, 0)
+    for end in range(T0 + 1, total + 1):
+        tokens[:, end - 1] = logits.argmax(dim=-1)  # (B,)
+        if end < total:
+            logits = logits_of(tokens[:, end - 1 : end], end - 1)
+    return tokens
+
+
+def generate_vs_floor(new_tokens: int, repeats: int) -> float:
+    """Our cached greedy ``generate`` / :func:`floor_generate` over the same weights, on one CPU thread.
+
+    Raises ``RuntimeError`` if the two produce different tokens (then the floor computes something else)."""
+    torch.manual_seed(0)
+    model = GPT(**GPT_SIZES).eval()
+    prompt = _prompt()
+    outputs = {}
+
+    def run(name, loop):
+        outputs[name] = loop(model, prompt, new_tokens)
+
+    with num_threads(1):
+        ours_time, floor_time = measure_interleaved(
+            [lambda: run("generate", generate), lambda: run("floor", floor_generate)], repeats=repeats, warmup=1)
+    ours, floor = outputs["generate"], outputs["floor"]
+    if not torch.equal(ours, floor):
+        first = int((ours != floor).any(dim=0).nonzero()[0])
+        raise RuntimeError(f"floor_generate's tokens differ from generate's, first at position {first}: "
+                           f"{floor[:, first].tolist()} != {ours[:, first].tolist()}")
+    return ours_time / floor_time
+
+
 def train_step_vs_transformers(repeats: int, batch: int = 8, length: int = 256) -> float:
     """One forward + backward + AdamW step of our GPT / of transformers' GPT-2 of the same sizes."""
     torch.manual_seed(0)
@@ -234,11 +345,17 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="exit with status 1 when a bar is missed")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for PyTorch (default: its own choice); kv_cache_speedup always uses 1")
+    parser.add_argument("--only", default=",".join(GROUPS), metavar="GROUP[,GROUP]",
+                        help=f"measure only these groups of figures, among {', '.join(GROUPS)} (default: all)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    only = [group.strip() for group in args.only.split(",") if group.strip()]
+    unknown = [group for group in only if group not in GROUPS]
+    if unknown or not only:
+        parser.error(f"--only takes groups among {', '.join(GROUPS)}, got {args.only!r}")
     device = default_device()
     if args.quick:
         n_attention, n_memory, new_tokens, repeats, slow_repeats = 1024, 2048, 128, 3, 1
@@ -246,11 +363,12 @@ def main(argv=None) -> int:
         n_attention, n_memory, new_tokens, repeats, slow_repeats = 4096, 8192, 512, 5, 3
     print(f"machine: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"device {device.type}")
-    print(f"mode: {'quick' if args.quick else 'full'}")
+    print(f"mode: {'quick' if args.quick else 'full'}{'' if len(only) == len(GROUPS) else ', only ' + ','.join(only)}")
     print(f"load_average_start: {_load()}", flush=True)
 
     results: list[tuple[str, str, float]] = []  # (name, kind, value)
     missed: list[str] = []
+    outputs_match = True
 
     def report(kind: str, size: int | None, value: float, digits: int = 3) -> None:
         name = kind if size is None else f"{kind}_{size}"
@@ -261,25 +379,34 @@ def main(argv=None) -> int:
             missed.append(name)
         print(f"{name}: {value:.{digits}f} (bar {op} {bound}: {'met' if met else 'MISSED'})", flush=True)
 
-    ratio, match = efficient_attention_vs_torch(device, repeats, n_attention)
-    report("efficient_attention_vs_torch", n_attention, ratio)
-    ratio, causal_match = efficient_attention_vs_torch(device, repeats, n_attention, is_causal=True)
-    report("efficient_causal_attention_vs_torch", n_attention, ratio)
-    print(f"efficient_attention_outputs_match: {match and causal_match}", flush=True)
-    ratio, efficient, naive = efficient_attention_peak_memory(device, n_memory)
-    report("efficient_attention_peak_memory", n_memory, ratio, digits=4)
-    print(f"peak_bytes_{n_memory}: efficient {efficient} naive {naive}", flush=True)
-    speedup, identical = kv_cache_speedup(new_tokens, slow_repeats)
-    report("kv_cache_speedup", new_tokens, speedup, digits=1)
-    print(f"kv_cache_tokens_identical: {identical}", flush=True)
-    if not identical:
-        missed.append("kv_cache_tokens_identical")
-    report("generate_vs_transformers", new_tokens, generate_vs_transformers(new_tokens, slow_repeats))
-    report("train_step_vs_transformers", None, train_step_vs_transformers(repeats))
-    ratio, mha_match = mha_vs_torch(device, repeats)
-    report("mha_vs_torch", None, ratio)
-    print(f"mha_outputs_match: {mha_match}")
-    if not (match and causal_match and mha_match):
+    if "attention" in only:
+        ratio, match = efficient_attention_vs_torch(device, repeats, n_attention)
+        report("efficient_attention_vs_torch", n_attention, ratio)
+        ratio, causal_match = efficient_attention_vs_torch(device, repeats, n_attention, is_causal=True)
+        report("efficient_causal_attention_vs_torch", n_attention, ratio)
+        print(f"efficient_attention_outputs_match: {match and causal_match}", flush=True)
+        outputs_match = outputs_match and match and causal_match
+    if "memory" in only:
+        ratio, efficient, naive = efficient_attention_peak_memory(device, n_memory)
+        report("efficient_attention_peak_memory", n_memory, ratio, digits=4)
+        print(f"peak_bytes_{n_memory}: efficient {efficient} naive {naive}", flush=True)
+    if "kv_cache" in only:
+        speedup, identical = kv_cache_speedup(new_tokens, slow_repeats)
+        report("kv_cache_speedup", new_tokens, speedup, digits=1)
+        print(f"kv_cache_tokens_identical: {identical}", flush=True)
+        if not identical:
+            missed.append("kv_cache_tokens_identical")
+    if "generation" in only:
+        report("generate_vs_transformers", new_tokens, generate_vs_transformers(new_tokens, slow_repeats))
+        report("generate_vs_floor", new_tokens, generate_vs_floor(new_tokens, slow_repeats))
+    if "training" in only:
+        report("train_step_vs_transformers", None, train_step_vs_transformers(repeats))
+    if "mha" in only:
+        ratio, mha_match = mha_vs_torch(device, repeats)
+        report("mha_vs_torch", None, ratio)
+        print(f"mha_outputs_match: {mha_match}")
+        outputs_match = outputs_match and mha_match
+    if not outputs_match:
         missed.append("outputs_match")
     print(f"load_average_end: {_load()}")
     print(f"bars_missed: {', '.join(missed) if missed else 'none'}")
