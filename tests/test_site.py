@@ -4,8 +4,9 @@ Headless Chromium (Debian's ``chromium``) loads every page of the built site fro
 network cut off, and dumps the DOM after the page's scripts (MathJax) have run. For each page:
 
 - MathJax rendered every formula: each ``.math`` element holds an ``mjx-container``, there is no
-  MathJax error, and no raw ``$...$``, ``$$...$$``, ``\\(...\\)`` or ``\\[...\\]`` is left in the
-  visible text (code and outputs excluded: a ``$`` in code is legitimate);
+  MathJax error, and no raw TeX is left in the visible text: no ``$...$``, ``$$...$$``,
+  ``\\(...\\)`` or ``\\[...\\]``, and no TeX command (``\\mathrm``) or lone ``$`` anywhere
+  (code and outputs excluded: a ``$`` in code is legitimate);
 - every image loaded: its file exists and is a real PNG/JPEG/GIF/SVG/WebP, and in the browser
   its ``naturalWidth`` is positive;
 - no error output: no traceback, no error output cell, no warning on stderr, no docutils
@@ -141,6 +142,8 @@ RAW_MATH = [
     re.compile(r"\\\(.+?\\\)", re.S),
     re.compile(r"\\\[.+?\\\]", re.S),
     re.compile(r"\\begin\{[a-z*]+\}"),
+    re.compile(r"\\[A-Za-z]{2,}"),  # a TeX command anywhere in the prose (\mathrm, \sqrt, ...)
+    re.compile(r"\$(?!\d)"),  # a lone dollar (not a price): MathJax consumes the delimiters it renders
 ]
 
 
@@ -566,6 +569,10 @@ def test_math_checker_accepts_rendered_math():
         "inline \\(q^\\top k\\) math",
         "display \\[a = b\\] math",
         "\\begin{align} a &= b \\end{align}",
+        # a formula cut by a line that Markdown read as a list item: half of it is left raw
+        "<ul><li>\\mathrm{Sublayer}(\\mathbf{x}))$, post-norm</li></ul>",
+        "a lone $ sign",
+        "the command \\mathrm{LayerNorm} outside a formula",
     ],
 )
 def test_math_checker_catches_raw_tex(raw):
