@@ -498,6 +498,52 @@ def test_site_is_built_and_chromium_present():
         assert (SITE / f"{name}.html").is_file(), f"{name} is in _toc.yml but not in the built site"
 
 
+def citation_problems(references_html: str, chapter_pages: dict[str, str]) -> list[str]:
+    """A citation in the text must read as its entry is labelled on the references page: one style
+    ("Vaswani et al., 2017") for both, not "[Vaswani et al., 2017]" in the text and "[VSP+17]" in the list."""
+    labels = set(re.findall(r'class="label"><span class="fn-bracket">\[</span>(.*?)<span class="fn-bracket">\]',
+                            references_html))
+    problems = [f"references page label {label!r} is not 'Author(s), year'" for label in sorted(labels)
+                if not re.fullmatch(r".+, (\d{4}|n\.d\.)[a-z]?", label)]
+    if not labels:
+        problems.append("no labelled entries on the references page")
+    for page, html in chapter_pages.items():
+        for link in re.findall(r'<a class="reference internal" href="references\.html#[^"]+"[^>]*>(.*?)</a>', html):
+            text = re.sub(r"<[^>]+>", "", link).strip()
+            if ", " in text and text not in labels:  # "2017" alone is the year of a textual citation
+                problems.append(f"{page}: citation {text!r} matches no label of the references page")
+    return problems
+
+
+@skip_site
+def test_citations_read_as_the_references_page_labels_them():
+    references = SITE / "book" / "references.html"
+    assert references.is_file(), f"no references page in {SITE}: run `make book` first"
+    chapters = {page: (SITE / page).read_text(encoding="utf-8") for page in PAGES}
+    problems = citation_problems(references.read_text(encoding="utf-8"), chapters)
+    assert not problems, "\n".join(problems[:20])
+
+
+@skip_site
+def test_landing_page_has_a_description_and_every_page_a_favicon():
+    intro = (SITE / "book" / "intro.html").read_text(encoding="utf-8")
+    assert re.search(r'<meta content="[^"]{50,}"[^>]*name="description"', intro), "no page description"
+    missing = [page for page in PAGES
+               if not is_redirect((SITE / page).read_text(encoding="utf-8"))
+               and 'rel="icon"' not in (SITE / page).read_text(encoding="utf-8")]
+    assert not missing, f"pages without a favicon: {missing[:5]}"
+
+
+def test_citation_checker():
+    references = ('<div class="citation"><span class="label"><span class="fn-bracket">[</span>Vaswani et al., 2017'
+                  '<span class="fn-bracket">]</span></span></div>')
+    good = '<a class="reference internal" href="references.html#id2" title="x">Vaswani et al., 2017</a>'
+    assert citation_problems(references, {"a.html": good}) == []
+    alpha = references.replace("Vaswani et al., 2017", "VSP+17")
+    assert any("not 'Author(s), year'" in p for p in citation_problems(alpha, {"a.html": good}))
+    assert any("matches no label" in p for p in citation_problems(alpha, {"a.html": good}))
+
+
 @skip_site
 @pytest.mark.parametrize("page", PAGES or ["<no built site>"])
 def test_math_rendered(rendered, page):
