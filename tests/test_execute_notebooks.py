@@ -46,3 +46,82 @@ def test_jobs_run_every_notebook_and_give_each_kernel_its_threads(tmp_path, monk
 def test_bad_arguments_are_refused(argv, capsys):
     assert execute_notebooks.main(argv) == 2
     assert "--" in capsys.readouterr().err
+
+
+# --- scripts/sweep_notebooks.py ---------------------------------------------------------------
+
+import sweep_notebooks  # noqa: E402
+
+
+def write_seeded_notebook(path: Path) -> Path:
+    # prints a score that depends on the seed offset and asserts a threshold that offset 2 misses
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("A claim about a score."),
+        nbformat.v4.new_code_cell(
+            "import os\n"
+            "offset = int(os.environ['ATTNBOOK_SEED_OFFSET'])\n"
+            "score = 0.5 + 0.1 * offset\n"
+            "print(f'score {score:.2f} after 200 steps; kernels {os.environ[\"ATEN_CPU_CAPABILITY\"]}')"),
+        nbformat.v4.new_code_cell("assert (\n    score < 0.65\n), score"),
+        nbformat.v4.new_code_cell("print(f'after the assert {score:.1f}')", execution_count=3, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="after the assert 9.9\n")]),  # a committed output
+    ])
+    nbformat.write(nb, path)
+    return path
+
+
+def test_sweep_reports_the_failing_offset_and_the_spread(tmp_path, capsys):
+    path = write_seeded_notebook(tmp_path / "01_seeded.ipynb")
+    before = path.read_text()
+    keep = tmp_path / "runs"
+    assert sweep_notebooks.main(["--offsets", "3", "--keep", str(keep), str(path)]) == 1
+    report = capsys.readouterr().out
+    # kernels alternate: default at even offsets, avx2 at odd ones
+    assert "| 0 | default |" in report and "| 1 | avx2 |" in report and "| 2 | default |" in report
+    assert "## Failures: 1 of 3 runs" in report
+    assert "- offset 2 (default): cell 2: AssertionError: 0.7" in report
+    assert "at: assert ( score < 0.65 ), score" in report  # the whole statement, on one line
+    # the score moved (min at offset 0, max at offset 2, mean 0.6); the step count did not
+    assert "score {0.50@0..0.70@2 ~0.600} after 200 steps" in report
+    # the last cell ran at offsets 0 and 1 only: offset 2's run does not keep the committed output
+    assert "after the assert {0.5@0..0.6@1 ~0.55}" in report
+    assert not nbformat.read(keep / "01_seeded.offset2.ipynb", as_version=4).cells[3].outputs
+    assert path.read_text() == before  # the committed notebook is never touched
+    assert sorted(p.name for p in keep.iterdir()) == [f"01_seeded.offset{i}.ipynb" for i in range(3)]
+
+
+def test_sweep_passes_when_every_offset_holds(tmp_path, capsys):
+    path = write_seeded_notebook(tmp_path / "01_seeded.ipynb")
+    assert sweep_notebooks.main(["--offsets", "0,1", "--jobs", "1", str(path)]) == 0
+    assert "## Failures: none" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, offsets", [("3", [0, 1, 2]), ("3,7,11", [3, 7, 11]), ("7,", [7]),
+                                           ("10-12,4", [10, 11, 12, 4])])
+def test_sweep_offsets(text, offsets):
+    assert sweep_notebooks.parse_offsets(text) == offsets
+
+
+@pytest.mark.parametrize("argv", [["--offsets", "0"], ["--offsets", "a,b"], ["--jobs", "0", "x.ipynb"], [],
+                                  ["no_such_notebook.ipynb"]])
+def test_sweep_bad_arguments_are_refused(argv, capsys):
+    assert sweep_notebooks.main(argv) == 2
+    assert capsys.readouterr().err
+
+
+def test_numbers_are_read_in_order():
+    assert sweep_notebooks.numbers("layer1: 34% of 1,016 lines, loss -0.25 (1e-3), top-5") == [
+        34, 1, 16, -0.25, 1e-3, 5]
+
+
+def test_spread_matches_lines_by_their_text_when_the_counts_differ():
+    def run(offset, text):
+        cell = nbformat.v4.new_code_cell("print(...)", execution_count=1, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text=text)])
+        return sweep_notebooks.Run(offset, sweep_notebooks.capability(offset),
+                                   nb=nbformat.v4.new_notebook(cells=[cell]))
+
+    runs = [run(0, "loss 2.50\nwins by 3.0%\n"), run(1, "loss 2.70\nno winner\n"), run(2, "loss 2.60\nwins by 1.0%\n")]
+    lines = sweep_notebooks.spread_lines(runs, 0, all_lines=False)
+    assert "  loss {2.50@0..2.70@1 ~2.600}" in lines
+    assert "  wins by {1.0%@2..3.0%@0 ~2.00%}   [at offsets 0,2 only]" in lines
