@@ -1,6 +1,7 @@
 """Execute a notebook under many seed offsets and report what fails and how far each printed figure moves.
 
-Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--jobs N] [--keep DIR] NOTEBOOK ...
+Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--jobs N] [--keep DIR] [--all-lines]
+                                          NOTEBOOK ...
        python scripts/sweep_notebooks.py --from DIR [--offsets ...] NOTEBOOK ...   (report on kept runs)
 
 ``make robust`` runs each notebook at two seed offsets; a threshold set from those few runs is not a
@@ -22,7 +23,9 @@ The report gives, per notebook:
   where the cell printed the same count of numbers at every offset that ran it, each line of the
   first offset's text is shown with each number that moved replaced by
   ``{min@offset..max@offset ~mean}``. Lines whose numbers never moved are left out (``--all-lines``
-  shows them). A threshold can then be set from the spread, with a margin.
+  shows them). Where the count differs (a verdict printed at some offsets only), lines are matched
+  by their text with the numbers taken out, and a line printed at only some offsets says at which.
+  A threshold can then be set from the spread, with a margin.
 
 Exit status 1 if any run failed, 2 for bad arguments.
 """
