@@ -1,5 +1,6 @@
 """Audio: the log-mel front end against librosa (and its cached filterbank), WAV files, and Griffin-Lim."""
 
+import json
 import math
 import wave
 from pathlib import Path
@@ -52,6 +53,22 @@ def test_log_mel_matches_librosa_on_a_clip_padded_to_30_s():
     assert ours.shape == (80, 3000)
     theirs = librosa_log_mel(audio.pad_or_trim(clip).numpy())
     assert np.abs(ours.numpy() - theirs).max() < 1e-4
+
+
+def test_log_mel_matches_transformers_whisper_feature_extractor():
+    transformers = require("transformers")
+    # built offline with Whisper's settings: 80 bands; 16 kHz, n_fft 400, hop 160 and 30 s are its defaults
+    extractor = transformers.WhisperFeatureExtractor(feature_size=80)
+    assert (extractor.sampling_rate, extractor.n_fft, extractor.hop_length, extractor.n_samples) == \
+        (16000, 400, 160, audio.N_SAMPLES)
+    np.testing.assert_allclose(extractor.mel_filters.T, audio.mel_filterbank().numpy(), atol=1e-8)
+    for name in ("clip1.wav", "clip4.wav"):
+        clip, _ = audio.read_wav(CLIPS / name)
+        theirs = extractor(clip.numpy(), sampling_rate=16000, return_tensors="np").input_features[0]
+        ours = audio.log_mel_spectrogram(audio.pad_or_trim(clip))
+        assert theirs.shape == ours.shape == (80, 3000)
+        # 1e-4 of the scaled log is 0.09 % of a band's power; both compute in float32
+        assert np.abs(ours.numpy() - theirs).max() < 1e-4
 
 
 def test_log_mel_matches_librosa_on_noise_without_padding():
@@ -169,6 +186,54 @@ def test_committed_clips_are_16_khz_mono_and_have_texts():
     for name in texts:
         clip, rate = audio.read_wav(CLIPS / f"{name}.wav")
         assert rate == 16000 and 1.0 < clip.numel() / rate < 10.0
+
+
+def test_word_clips_and_their_true_intervals():
+    truth = json.loads((CLIPS / "words.json").read_text())
+    assert set(truth) == {"words1", "words2"}
+    for name, clip_truth in truth.items():
+        clip, rate = audio.read_wav(CLIPS / f"{name}.wav")
+        assert rate == 16000 and 4.0 < clip.numel() / rate < 6.0
+        words = clip_truth["words"]
+        assert [word for word, _, _ in words] == clip_truth["text"].split()
+        previous_end = 0.0
+        for word, start, end in words:
+            assert previous_end + 0.1 < start < end <= clip.numel() / rate, (name, word)
+            gap = clip[round(previous_end * rate) + 2 : round(start * rate) - 2]
+            assert gap.abs().max() == 0, (name, word)  # the silences are digital zeros
+            sounding = clip[round(start * rate) : round(end * rate)]
+            assert sounding.abs().max() > 0.05 and sounding[:3].abs().max() > 0, (name, word)
+            previous_end = end
+        assert clip[round(previous_end * rate) + 2 :].abs().max() == 0
+
+
+# --- noise ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("snr_db", [30, 10, 0, -5])
+def test_add_noise_reaches_the_signal_to_noise_ratio(snr_db):
+    clip, _ = audio.read_wav(CLIPS / "clip2.wav")
+    noisy = audio.add_noise(clip, snr_db, torch.Generator().manual_seed(0))
+    noise = noisy - clip
+    measured = 10 * math.log10(float(clip.double().pow(2).mean() / noise.double().pow(2).mean()))
+    assert abs(measured - snr_db) < 0.05  # 72,000 samples: the noise power is within ~1 % of its mean
+    assert abs(float(noise.mean())) < 0.01 * float(noise.std())  # white noise: no offset
+    again = audio.add_noise(clip, snr_db, torch.Generator().manual_seed(0))
+    assert torch.equal(again, noisy) and noisy.dtype == clip.dtype
+
+
+def test_add_noise_rejects_bad_input():
+    clip = torch.ones(100)
+    with pytest.raises(ValueError, match="snr_db"):
+        audio.add_noise(clip, float("inf"))
+    with pytest.raises(ValueError, match="snr_db"):
+        audio.add_noise(clip, "20")
+    with pytest.raises(ValueError, match="silent"):
+        audio.add_noise(torch.zeros(100), 10)
+    with pytest.raises(TypeError, match="generator"):
+        audio.add_noise(clip, 10, generator=0)
+    with pytest.raises(ValueError, match="1D"):
+        audio.add_noise(torch.ones(2, 100), 10)
 
 
 # --- Griffin-Lim ----------------------------------------------------------------------------------

@@ -79,6 +79,226 @@ def test_ctc_model_loss_is_torch_ctc_loss_and_decodes_classes():
     assert len(decoded) == 2 and all(0 <= c < 10 for seq in decoded for c in seq)
 
 
+# --- the CTC algorithm: ctc_loss, the trellis, the best alignment ---------------------------------
+
+
+def labelling_probabilities(probs, blank=0):
+    """Brute force over every frame-level path of ``probs (T, C)``: {labelling: p(labelling)} and
+    {labelling: (probability, path) of its most probable path}."""
+    T, C = probs.shape
+    totals, best = {}, {}
+    for path in itertools.product(range(C), repeat=T):
+        p = math.prod(float(probs[t, c]) for t, c in enumerate(path))
+        labelling = tuple(c for c, _ in itertools.groupby(path) if c != blank)
+        totals[labelling] = totals.get(labelling, 0.0) + p
+        if p > best.get(labelling, (-1.0, None))[0]:
+            best[labelling] = (p, path)
+    return totals, best
+
+
+def random_ctc_batch(seed, T=9, B=6, C=5, S=4):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, B, C, generator=g, dtype=torch.float64) * 2
+    targets = torch.randint(1, C, (B, S), generator=g)
+    targets[0] = torch.tensor([2, 2, 3, 3][:S])  # repeated labels: each pair needs a blank between
+    targets[1, :2] = 4  # a repeat at the start
+    target_lengths = torch.randint(0, S + 1, (B,), generator=g)
+    target_lengths[:2] = S
+    input_lengths = torch.randint(S + 4, T + 1, (B,), generator=g)
+    input_lengths[0] = T
+    targets = torch.where(torch.arange(S) < target_lengths[:, None], targets, -1)  # padding: any value
+    return logits, targets, input_lengths, target_lengths
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ctc_loss_equals_torch_ctc_loss_in_values_and_gradients(seed):
+    logits, targets, input_lengths, target_lengths = random_ctc_batch(seed, T=8 + seed, B=5 + seed)
+    logits.requires_grad_(True)
+    log_probs = logits.log_softmax(-1)  # (T, B, C)
+    ours = ctc.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+    expected = F.ctc_loss(log_probs, targets.clamp_min(0), input_lengths, target_lengths, reduction="none")
+    assert ours.shape == (logits.shape[1],)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    # gradients with respect to the logits: PyTorch's CTC backward adds exp(log_probs) times a
+    # constant per frame to the gradient of log_probs, a term that log_softmax's backward removes
+    weights = torch.rand(ours.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    ours_grad, = torch.autograd.grad((ours * weights).sum(), logits, retain_graph=True)
+    expected_grad, = torch.autograd.grad((expected * weights).sum(), logits)
+    torch.testing.assert_close(ours_grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_ctc_loss_is_inf_where_no_alignment_fits_and_finite_gradients_elsewhere():
+    log_probs = torch.randn(6, 3, 4, dtype=torch.float64).log_softmax(-1).requires_grad_(True)
+    targets = torch.tensor([[2, 2, 3], [1, 2, 3], [3, 3, 3]])
+    input_lengths, target_lengths = torch.tensor([3, 3, 5]), torch.tensor([3, 3, 3])  # [2, 2, 3] needs 4
+    ours = ctc.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+    expected = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, reduction="none")
+    assert math.isinf(ours[0].item()) and ours[0] > 0 and math.isinf(expected[0].item())
+    torch.testing.assert_close(ours[1:], expected[1:])
+    ours[1:].sum().backward()
+    assert torch.isfinite(log_probs.grad).all()  # no NaN from states no alignment reaches
+    # zero probabilities (log 0 = -inf) are fine too: one-hot frames have exactly one alignment
+    one_hot = F.one_hot(torch.tensor([1, 0, 1, 2]), 3).double().log()[:, None].requires_grad_(True)
+    loss = ctc.ctc_loss(one_hot, torch.tensor([[1, 1, 2]]), [4], [3])
+    assert loss.item() == 0.0
+    loss.sum().backward()
+    assert not torch.isnan(one_hot.grad).any()
+
+
+def test_ctc_loss_equals_brute_force_enumeration():
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 3, 6):
+        log_probs = torch.randn(T, 3, generator=g, dtype=torch.float64).log_softmax(-1)  # (T, C=3)
+        totals, _ = labelling_probabilities(log_probs.exp())
+        for length in range(0, 4):
+            for target in itertools.product((1, 2), repeat=length):
+                repeats = sum(a == b for a, b in itertools.pairwise(target))
+                if length + repeats > T:
+                    continue
+                padded = torch.tensor([list(target) + [0] * (3 - length)])  # (1, 3)
+                loss = ctc.ctc_loss(log_probs[:, None], padded, [T], [length])
+                assert math.isclose(math.exp(-float(loss)), totals.get(target, 0.0), rel_tol=1e-9, abs_tol=1e-300)
+
+
+def test_ctc_log_alpha_is_the_trellis_of_the_loss():
+    g = torch.Generator().manual_seed(1)
+    log_probs = torch.randn(7, 4, generator=g, dtype=torch.float64).log_softmax(-1)  # (T, C)
+    target = [3, 3, 1]
+    alpha = ctc.ctc_log_alpha(log_probs, target)
+    assert alpha.shape == (7, 7)  # (T, 2U + 1)
+    loss = ctc.ctc_loss(log_probs[:, None], torch.tensor([target]), [7], [3])
+    torch.testing.assert_close(-torch.logsumexp(alpha[-1, -2:], 0), loss[0])
+    torch.testing.assert_close(alpha[0, :2], log_probs[0, [0, 3]])  # start in the blank or in y1
+    t, s = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
+    assert torch.isinf(alpha[s > 2 * t + 1]).all()  # at most two states further per frame
+    # every entry by brute force: all state sequences (s_0 .. s_t) from z_0 or z_1 to s that stay,
+    # step, or skip a blank between different labels
+    small, target = log_probs[:5], [2, 2]
+    alpha = ctc.ctc_log_alpha(small, target)  # (5, 5)
+    z = [0, 2, 0, 2, 0]
+    for t in range(5):
+        for s in range(5):
+            total = 0.0
+            for states in itertools.product(range(5), repeat=t + 1):
+                moves = [b - a for a, b in itertools.pairwise(states)]
+                if states[0] > 1 or states[-1] != s or any(m not in (0, 1, 2) for m in moves):
+                    continue
+                if any(m == 2 and (z[b] == 0 or z[b] == z[b - 2]) for m, b in zip(moves, states[1:], strict=True)):
+                    continue
+                total += math.prod(float(small[i, z[k]].exp()) for i, k in enumerate(states))
+            assert math.isclose(float(alpha[t, s].exp()), total, rel_tol=1e-9, abs_tol=1e-300)
+    with pytest.raises(ValueError, match="one utterance"):
+        ctc.ctc_log_alpha(log_probs[:, None], target)
+    with pytest.raises(ValueError, match="one label sequence"):
+        ctc.ctc_log_alpha(log_probs, [[3, 1]])
+
+
+def test_ctc_best_alignment_is_the_most_probable_path():
+    g = torch.Generator().manual_seed(2)
+    for target in ([1], [1, 2], [2, 2], [1, 2, 1]):
+        log_probs = torch.randn(6, 3, generator=g, dtype=torch.float64).log_softmax(-1)  # (T, C)
+        _, best = labelling_probabilities(log_probs.exp())
+        states = ctc.ctc_best_alignment(log_probs, target)
+        z = [0] + [c for label in target for c in (label, 0)]  # _ y1 _ y2 ... _
+        assert len(states) == 6 and states[0] <= 1 and states[-1] >= 2 * len(target) - 1
+        assert all(0 <= b - a <= 2 for a, b in itertools.pairwise(states))
+        assert tuple(z[s] for s in states) == best[tuple(target)][1]
+    with pytest.raises(ValueError, match="no alignment"):
+        ctc.ctc_best_alignment(F.one_hot(torch.tensor([1, 1, 1]), 3).double().log(), [1, 2])
+
+
+def test_ctc_loss_rejects_bad_inputs():
+    log_probs = torch.randn(5, 2, 4).log_softmax(-1)  # (T, B, C)
+    targets, input_lengths, target_lengths = torch.tensor([[1, 2], [3, 3]]), torch.tensor([5, 4]), torch.tensor([2, 2])
+    ctc.ctc_loss(log_probs, targets, input_lengths, target_lengths)  # fine
+    ctc.ctc_loss(torch.randn(5, 2, 4), targets, input_lengths, target_lengths)  # unnormalised: used as is
+    cases = [
+        ((log_probs[0], targets, input_lengths, target_lengths), "log_probs must be a float tensor \\(T, B, C\\)"),
+        ((log_probs.long(), targets, input_lengths, target_lengths), "log_probs must be a float tensor"),
+        ((log_probs, targets[:1], input_lengths, target_lengths), "targets must be an integer tensor \\(B=2"),
+        ((log_probs, targets.float(), input_lengths, target_lengths), "targets must be an integer tensor"),
+        ((log_probs, targets[0], input_lengths, target_lengths), "targets must be an integer tensor"),
+        ((log_probs, targets, input_lengths[:1], target_lengths), "input_lengths must be 2 integers"),
+        ((log_probs, targets, torch.tensor([6, 4]), target_lengths), "input_lengths must lie in \\[1, 5\\]"),
+        ((log_probs, targets, torch.tensor([0, 4]), target_lengths), "input_lengths must lie in \\[1, 5\\]"),
+        ((log_probs, targets, input_lengths, torch.tensor([3, 2])), "target_lengths must lie in \\[0, 2\\]"),
+        ((log_probs, targets, input_lengths, torch.tensor([2.0, 2.0])), "target_lengths must be 2 integers"),
+        ((log_probs, torch.tensor([[1, 4], [3, 3]]), input_lengths, target_lengths), "class indices in \\[0, C=4\\)"),
+        ((log_probs, torch.tensor([[1, 0], [3, 3]]), input_lengths, target_lengths), "other than blank=0"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ctc.ctc_loss(*args)
+    for blank in (4, -1, True, 1.0):
+        with pytest.raises(ValueError, match="blank must be a class index in \\[0, C=4\\)"):
+            ctc.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=blank)
+    # a target that cannot fit in the T frames at all: 3 labels + 2 repeats > T = 4, usually (B, T, C) for (T, B, C)
+    with pytest.raises(ValueError, match="target 1 needs at least 5 frames \\(3 labels \\+ 2 repeats\\).*T=4"):
+        ctc.ctc_loss(log_probs[:4], torch.tensor([[1, 2, 3], [2, 2, 2]]), [4, 4], [3, 3])
+    with pytest.raises(ValueError, match="log_probs looks batch-first \\(B, T, C\\)"):
+        ctc.ctc_loss(torch.randn(2, 20, 4).log_softmax(-1), torch.tensor([[1, 2, 3], [2, 1, 2]]), [20, 20], [3, 3])
+
+
+# --- decoding: prefix beam search -----------------------------------------------------------------
+
+
+def test_prefix_beam_search_finds_the_most_probable_labelling_where_best_path_does_not():
+    # every frame: blank 0.6, label 0.4. Best path: all blanks -> the empty labelling (0.6^2 = 0.36);
+    # but the labelling [1] sums three paths: 1 1, 1 _, _ 1 -> 0.16 + 0.24 + 0.24 = 0.64
+    log_probs = torch.tensor([[0.6, 0.4, 0.0], [0.6, 0.4, 0.0]], dtype=torch.float64).log()  # (T=2, C=3)
+    assert ctc.ctc_greedy_decode(log_probs[None], torch.tensor([2])) == [[]]
+    assert ctc.ctc_prefix_beam_search(log_probs, beam_size=4) == [1]
+    totals, _ = labelling_probabilities(log_probs.exp())
+    assert max(totals, key=totals.get) == (1,) and math.isclose(totals[(1,)], 0.64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_wide_prefix_beam_search_is_exact(seed):
+    g = torch.Generator().manual_seed(seed)
+    T = 3 + seed % 4  # 3 .. 6 frames
+    log_probs = (torch.randn(T, 3, generator=g, dtype=torch.float64) * 1.5).log_softmax(-1)  # (T, C=3)
+    totals, _ = labelling_probabilities(log_probs.exp())
+    found = ctc.ctc_prefix_beam_search(log_probs, beam_size=200)  # wider than the 2^(T+1) - 1 prefixes
+    assert math.isclose(totals[tuple(found)], max(totals.values()), rel_tol=1e-12)
+    # the probability it sums for its labelling is the CTC probability of that labelling
+    if found:
+        loss = ctc.ctc_loss(log_probs[:, None], torch.tensor([found]), [T], [len(found)])
+        assert math.isclose(math.exp(-float(loss)), totals[tuple(found)], rel_tol=1e-9)
+
+
+def test_prefix_beam_search_merges_repeats_and_handles_any_blank():
+    log_probs = F.one_hot(torch.tensor([1, 1, 0, 1, 2, 2]), 3).double().clamp_min(1e-6).log()  # a a _ a b b
+    assert ctc.ctc_prefix_beam_search(log_probs) == [1, 1, 2]
+    assert ctc.ctc_prefix_beam_search(log_probs, beam_size=1) == [1, 1, 2]  # one dominant path: greedy's
+    assert ctc.ctc_prefix_beam_search(log_probs, blank=2) == [1, 0, 1]  # class 2 is the blank now
+    assert ctc.ctc_prefix_beam_search(log_probs[:0]) == []  # no frames: the empty labelling
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_beam_search_beam_of_one_is_a_valid_labelling_and_wider_is_no_worse(seed):
+    g = torch.Generator().manual_seed(10 + seed)
+    log_probs = torch.randn(6, 4, generator=g, dtype=torch.float64).log_softmax(-1)
+    totals, _ = labelling_probabilities(log_probs.exp())
+    narrow = ctc.ctc_prefix_beam_search(log_probs, beam_size=1)
+    exact = ctc.ctc_prefix_beam_search(log_probs, beam_size=10_000)
+    assert all(1 <= c < 4 for c in narrow) and len(narrow) <= 6
+    assert totals[tuple(exact)] >= totals[tuple(narrow)]
+    greedy = ctc.ctc_greedy_decode(log_probs[None], torch.tensor([6]))[0]
+    assert totals[tuple(exact)] >= totals[tuple(greedy)]
+
+
+def test_prefix_beam_search_rejects_bad_inputs():
+    log_probs = torch.randn(4, 3).log_softmax(-1)
+    for beam_size in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="beam_size must be a positive int"):
+            ctc.ctc_prefix_beam_search(log_probs, beam_size=beam_size)
+    for bad in (log_probs[None], log_probs[0], log_probs.long()):
+        with pytest.raises(ValueError, match="log_probs must be one utterance's float \\(T, C\\)"):
+            ctc.ctc_prefix_beam_search(bad)
+    with pytest.raises(ValueError, match="blank must be a class index in \\[0, C=3\\)"):
+        ctc.ctc_prefix_beam_search(log_probs, blank=3)
+
+
 # --- seq2seq --------------------------------------------------------------------------------------
 
 

@@ -1,8 +1,10 @@
 """generate(): the KV cache changes the cost, never the tokens; bad inputs get clear errors."""
 
+import itertools
+
 import pytest
 import torch
-from attnbook import GPT, EncoderDecoderModel, EncoderOnlyModel, generate, next_token
+from attnbook import GPT, EncoderDecoderModel, EncoderOnlyModel, beam_search, generate, next_token
 from attnbook.cost import kv_cache_bytes
 
 VOCAB, SRC_VOCAB = 17, 13
@@ -333,3 +335,71 @@ def test_suppressed_tokens_are_never_chosen(gpt):
     assert int(first[0, 2]) != int(full[0, 2])
     with pytest.raises(ValueError, match=r"suppress must hold token ids in \[0, 17\), got \[17\]"):
         generate(gpt, torch.tensor([[1, 2]]), 2, suppress=[VOCAB])
+
+
+def sequence_log_probability(model, prompt, continuation):
+    """Sum of log p(token | prefix) of ``continuation`` after ``prompt`` under the full model (no cache)."""
+    tokens = torch.tensor([list(prompt) + list(continuation)])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(tokens)[0].float(), dim=-1)  # (T, V)
+    return sum(float(log_probs[len(prompt) - 1 + i, token]) for i, token in enumerate(continuation))
+
+
+def test_gpt_beam_search_of_width_1_is_greedy(gpt):
+    prompt = [3, 1, 4]
+    tokens, score = beam_search(gpt, prompt, 12, beam_size=1)
+    assert tokens == generate(gpt, torch.tensor([prompt]), 12)[0].tolist()  # the prompt in front, as generate
+    assert score == pytest.approx(sequence_log_probability(gpt, prompt, tokens[3:]), abs=1e-4)
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_gpt_beam_search_wide_enough_is_exact(gpt, length_penalty):
+    """A beam as wide as the space (17^2 continuations of 2 tokens) is exhaustive; with no end token every
+    hypothesis has 2 new tokens, so the length penalty cannot change the winner."""
+    prompt = [5, 2]
+    tokens, score = beam_search(gpt, prompt, 2, beam_size=VOCAB * VOCAB, length_penalty=length_penalty)
+    best = max(((a, b) for a in range(VOCAB) for b in range(VOCAB)),
+               key=lambda pair: sequence_log_probability(gpt, prompt, pair))
+    assert tokens == prompt + list(best)
+    assert score == pytest.approx(sequence_log_probability(gpt, prompt, best), abs=1e-4)
+    assert score >= beam_search(gpt, prompt, 2, beam_size=1)[1] - 1e-6
+
+
+def test_gpt_beam_search_length_penalty_ranks_by_mean_log_probability(gpt):
+    """With an end token, hypotheses differ in length: length_penalty=0 returns the one of highest total,
+    1 the one of highest mean per token; each is the best of an exhaustive search by its own rank."""
+    prompt, end = [7], 0
+    space = [list(c) + [end] for n in range(3) for c in itertools.product(range(1, VOCAB), repeat=n)]
+    space += [list(c) for c in itertools.product(range(1, VOCAB), repeat=3)]  # ran out of tokens
+    totals = {tuple(c): sequence_log_probability(gpt, prompt, c) for c in space}
+    for length_penalty in (0.0, 1.0):
+        tokens, score = beam_search(gpt, prompt, 3, beam_size=len(space), length_penalty=length_penalty,
+                                    end_token=end)
+        best = max(totals, key=lambda c: totals[c] / len(c) ** length_penalty)
+        assert tokens == prompt + list(best) and score == pytest.approx(totals[best], abs=1e-4)
+
+
+def test_seq2seq_beam_search_of_width_1_is_greedy(seq2seq):
+    source = torch.tensor([[1, 5, 7, 2, 9]])
+    tokens, _ = beam_search(seq2seq, [1], 10, beam_size=1, source=source)
+    assert tokens == generate(seq2seq, torch.tensor([[1]]), 10, source=source)[0].tolist()
+    wide, score = beam_search(seq2seq, [1], 10, beam_size=5, source=source)
+    assert len(wide) == 11 and score < 0
+
+
+def test_beam_search_rejects_bad_input(gpt):
+    for bad in (0, -1, 1.5):
+        with pytest.raises((ValueError, TypeError), match="beam_size"):
+            beam_search(gpt, [1], 3, beam_size=bad)
+    for bad in (-0.5, "1", float("nan")):
+        with pytest.raises(ValueError, match="length_penalty"):
+            beam_search(gpt, [1], 3, length_penalty=bad)
+    with pytest.raises(ValueError, match="max_len"):
+        beam_search(gpt, [1] * 40, 9)
+    with pytest.raises(ValueError, match="prompt"):
+        beam_search(gpt, [VOCAB], 3)
+    with pytest.raises(ValueError, match="extra inputs"):
+        beam_search(gpt, [1], 3, source=torch.tensor([[1]]))
+
+
+# ----------------------------------------------------------------------------- issue 26: top-k, top-p, speculative

@@ -16,6 +16,8 @@ values up to 12).
 
 import copy
 import importlib.util
+import itertools
+import json
 import math
 import struct
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from attnbook import audio, generate, metrics, whisper
+from attnbook import audio, beam_search, generate, metrics, whisper
 from attnbook.masks import causal_mask
 from attnbook.models import TransformerDecoder
 from attnbook.positions import sinusoidal_encoding
@@ -398,7 +400,8 @@ def test_loaded_model_holds_the_checkpoint_tensors(transcriber, checkpoint):
     assert torch.equal(torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]), fused)
     cross = model.decoder.blocks[1].cross_attention
     assert torch.equal(cross.v_proj.bias, variables["decoder/layer_1/attention/linear_1/bias"][384:].float())
-    assert sum(p.numel() for p in model.parameters()) == 37_188_864  # the embedding is also the output projection
+    assert sum(p.numel() for p in model.parameters()) == 37_184_256  # the embedding is also the output projection
+    assert all(attention.k_proj.bias is None for attention in model.attention_layers())
     assert not model.training
 
 
@@ -482,3 +485,341 @@ def test_transcribes_in_eval_mode_from_a_model_in_training_mode(transcriber):
     clip, rate = audio.read_wav(CLIPS / "clip1.wav")
     assert trained.transcribe_tokens(clip, rate) == CT2_TOKENS["clip1"]
     assert model.training
+
+
+# --- bias-free keys, and the same model in transformers -------------------------------------------
+
+
+def test_key_projections_have_no_bias_and_a_key_bias_would_change_nothing():
+    model = small_whisper()
+    owners = model.attention_layers()
+    assert len(owners) == 2 + 2 * 2  # encoder self-attention; decoder self- and cross-attention
+    assert all(attention.k_proj.bias is None and attention.q_proj.bias is not None for attention in owners)
+    with_bias = whisper.Whisper(n_mels=8, d_model=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
+                                vocab_size=30, max_frames=20, max_len=12)
+    assert sum(p.numel() for p in with_bias.parameters()) == sum(p.numel() for p in model.parameters())
+    # softmax ignores a constant added to a row of scores, and a key bias b adds q . b to all of them
+    mel, tokens = torch.randn(1, 8, 40), torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = model(mel, tokens)
+        biased = copy.deepcopy(model)
+        for attention in biased.attention_layers():
+            attention.k_proj.bias = torch.nn.Parameter(torch.randn(16))
+        torch.testing.assert_close(biased(mel, tokens), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_loader_refuses_a_nonzero_key_bias(checkpoint):
+    _, variables, _ = checkpoint
+    assert len(whisper.whisper_key_bias_slices(4, 4)) == 12  # 12 x 384 = 4,608 zeros the model leaves out
+    name = "decoder/layer_2/attention/linear_1/bias"
+    changed = variables[name].clone()
+    changed[5] = 0.5  # inside the key part (the first half) of the fused cross-attention k, v bias
+    with pytest.raises(ValueError, match=f"no bias.*{name}"):
+        whisper.load_whisper_weights(whisper.Whisper(), dict(variables, **{name: changed}))
+
+
+def _hf_whisper_tiny_en(transformers):
+    """transformers' Whisper with tiny.en's sizes, built offline from a config (no download)."""
+    config = transformers.WhisperConfig(
+        vocab_size=51864, num_mel_bins=80, d_model=384, encoder_layers=4, decoder_layers=4,
+        encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
+        max_source_positions=1500, max_target_positions=448, activation_function="gelu",
+        pad_token_id=50256, bos_token_id=50257, eos_token_id=50256, decoder_start_token_id=50257,
+        attn_implementation="eager")
+    return transformers.WhisperForConditionalGeneration(config).eval()
+
+
+def _hf_names(num_layers=4):
+    """transformers' parameter name -> ours (the encoder's sinusoidal table aside)."""
+    names = {"model.encoder.conv1.weight": "encoder.conv1.weight", "model.encoder.conv1.bias": "encoder.conv1.bias",
+             "model.encoder.conv2.weight": "encoder.conv2.weight", "model.encoder.conv2.bias": "encoder.conv2.bias",
+             "model.encoder.layer_norm.weight": "encoder.norm.weight",
+             "model.encoder.layer_norm.bias": "encoder.norm.bias",
+             "model.decoder.embed_tokens.weight": "decoder.token_embedding.weight",
+             "model.decoder.embed_positions.weight": "decoder.positions.table",
+             "model.decoder.layer_norm.weight": "decoder.norm.weight",
+             "model.decoder.layer_norm.bias": "decoder.norm.bias"}
+
+    def attention(theirs, ours):
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            for kind in ("weight", "bias"):
+                if not (proj == "k_proj" and kind == "bias"):  # neither has a key bias
+                    names[f"{theirs}.{proj}.{kind}"] = f"{ours}.{proj}.{kind}"
+
+    def norm(theirs, ours):
+        for kind in ("weight", "bias"):
+            names[f"{theirs}.{kind}"] = f"{ours}.{kind}"
+
+    for part in ("encoder", "decoder"):
+        for i in range(num_layers):
+            theirs, ours = f"model.{part}.layers.{i}", f"{part}.blocks.{i}"
+            attention(f"{theirs}.self_attn", f"{ours}.self_attention")
+            norm(f"{theirs}.self_attn_layer_norm", f"{ours}.norm1")
+            for fc in ("fc1", "fc2"):
+                norm(f"{theirs}.{fc}", f"{ours}.feed_forward.{fc}")
+            if part == "encoder":
+                norm(f"{theirs}.final_layer_norm", f"{ours}.norm2")
+            else:
+                attention(f"{theirs}.encoder_attn", f"{ours}.cross_attention")
+                norm(f"{theirs}.encoder_attn_layer_norm", f"{ours}.norm2")
+                norm(f"{theirs}.final_layer_norm", f"{ours}.norm3")
+    return names
+
+
+def test_matches_transformers_whisper_with_the_same_weights(transcriber):
+    transformers = require("transformers")
+    reference = _hf_whisper_tiny_en(transformers)
+    ours = dict(transcriber.model.named_parameters())
+    names = _hf_names()
+    theirs = dict(reference.named_parameters())
+    assert set(theirs) - set(names) == {"model.encoder.embed_positions.weight"}  # a frozen table there
+    assert set(names.values()) == set(ours)  # every parameter of ours, once
+    assert sum(p.numel() for p in theirs.values()) == 37_184_256 + 1500 * 384
+    with torch.no_grad():
+        for hf_name, our_name in names.items():
+            theirs[hf_name].copy_(ours[our_name])
+        theirs["model.encoder.embed_positions.weight"].copy_(whisper.whisper_sinusoids(1500, 384))
+        clip, rate = audio.read_wav(CLIPS / "clip1.wav")
+        mel = transcriber.log_mel(clip, rate)[None]  # (1, 80, 3000)
+        tokens = torch.tensor([transcriber.prompt + CT2_TOKENS["clip1"]])
+        expected = reference(input_features=mel, decoder_input_ids=tokens).logits  # (1, T, 51864)
+        torch.testing.assert_close(transcriber.model(mel, tokens), expected, atol=2e-3, rtol=1e-4)
+
+
+# --- beam search ----------------------------------------------------------------------------------
+
+
+def full_log_probability(model, mel, prompt, tokens, end_token, suppress=(), suppress_at_start=()):
+    """The total log-probability of tokens (+ end) by one forward pass without a cache."""
+    sequence = torch.tensor([prompt + tokens + [end_token]])
+    with torch.no_grad():
+        logits = model(mel, sequence[:, :-1])[0, len(prompt) - 1 :].float()
+    logits[:, list(suppress)] = float("-inf")
+    logits[0, list(suppress_at_start)] = float("-inf")
+    targets = sequence[0, len(prompt) :]
+    return float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum())
+
+
+def beam(model, prompt, beam_size, max_new_tokens, **kwargs):
+    """Beam search ranked by total log-probability: ``(new tokens without the end token, score)``."""
+    tokens, score = beam_search(model, prompt, max_new_tokens, beam_size=beam_size, length_penalty=0.0,
+                                **kwargs)
+    new = tokens[len(prompt):]
+    assert tokens[: len(prompt)] == list(prompt)
+    return (new[:-1] if new and new[-1] == kwargs.get("end_token") else new), score
+
+
+def test_beam_search_of_width_1_is_greedy_and_scores_its_hypothesis():
+    model = small_whisper(3)
+    mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(5))
+    greedy = generate(model, torch.tensor([[5, 6]]), 9, mel=mel, end_token=29)[0, 2:].tolist()
+    greedy = greedy[: greedy.index(29)] if 29 in greedy else greedy
+    tokens, score = beam(model, [5, 6], 1, 9, mel=mel, end_token=29)
+    assert tokens == greedy
+    if len(tokens) < 9:  # finished: the score includes the end token's log-probability
+        assert math.isclose(score, full_log_probability(model, mel, [5, 6], tokens, 29), abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_beam_search_finds_the_best_sequence_of_a_small_space(seed):
+    # 3 allowed tokens and the end token, at most 3 new tokens: 1 + 3 + 9 + 27 hypotheses, few enough
+    # to score all of them. A beam as wide as the space, with the stopping rule, must find the best.
+    model = small_whisper(seed)
+    mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(seed))
+    allowed, end = [3, 7, 11], 29
+    suppress = [t for t in range(30) if t not in allowed + [end]]
+    candidates = [list(c) for n in range(0, 3) for c in itertools.product(allowed, repeat=n)]
+    scores = {tuple(c): full_log_probability(model, mel, [5], c, end, suppress) for c in candidates}
+    best = max(scores, key=scores.get)
+    tokens, score = beam(model, [5], 27, 3, mel=mel, end_token=end, suppress=suppress)
+    exhausted = [list(c) for c in itertools.product(allowed, repeat=3)]  # 3 tokens: max_new_tokens ran out
+    if len(tokens) < 3:
+        assert tuple(tokens) == best and math.isclose(score, scores[best], abs_tol=1e-4)
+    else:
+        assert tokens in exhausted
+    # whatever it returns scores at least as well as the greedy hypothesis (by the same full scorer)
+    greedy, _ = beam(model, [5], 1, 3, mel=mel, end_token=end, suppress=suppress)
+    if len(tokens) < 3 and len(greedy) < 3:
+        assert scores[tuple(tokens)] >= scores[tuple(greedy)] - 1e-6
+
+
+def test_beam_search_reorders_each_beams_cache():
+    # the score beam search reports was built step by step with reordered caches; a full forward pass of
+    # the hypothesis it returns must give the same number, whichever beams were swapped along the way
+    for seed in range(3):
+        model = small_whisper(seed)
+        mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(10 + seed))
+        tokens, score = beam(model, [1, 2], 4, 8, mel=mel, end_token=29, suppress=[0])
+        if len(tokens) < 8:
+            assert math.isclose(score, full_log_probability(model, mel, [1, 2], tokens, 29, [0]), abs_tol=1e-4)
+        else:  # ran out of tokens: the score has no end token
+            full = full_log_probability(model, mel, [1, 2], tokens, 29, [0])
+            assert score > full
+
+
+def test_beam_search_runs_in_eval_mode_and_rejects_bad_input():
+    model = small_whisper(4, dropout=0.5).train()
+    mel = torch.randn(1, 8, 40)
+    first = beam(model, [1], 3, 5, mel=mel, end_token=29)
+    assert beam(model, [1], 3, 5, mel=mel, end_token=29) == first and model.training
+    with pytest.raises(ValueError, match="beam_size must be a positive int, got 0"):
+        beam(model, [1], 0, 5, mel=mel, end_token=29)
+    with pytest.raises(ValueError, match="max_len=12"):
+        beam(model, [1, 2], 2, 11, mel=mel, end_token=29)
+    with pytest.raises(ValueError, match=r"end_token must hold token ids in \[0, 30\)"):
+        beam(model, [1], 2, 5, mel=mel, end_token=30)
+    with pytest.raises(ValueError, match="every token is suppressed"):
+        beam(model, [1], 2, 5, mel=mel, end_token=29, suppress=range(30))
+    with pytest.raises(TypeError, match="decoding interface"):
+        beam(torch.nn.Linear(2, 2), [1], 2, 5, end_token=1)
+
+
+def test_transcriber_beam_search_scores_at_least_the_greedy_hypothesis(transcriber):
+    clip, rate = audio.read_wav(CLIPS / "clip3.wav")
+    greedy = transcriber.transcribe_tokens(clip, rate)
+    widest = transcriber.transcribe_tokens(clip, rate, beam_size=3)
+    greedy_score = transcriber.sequence_log_probability(clip, greedy, rate)
+    widest_score = transcriber.sequence_log_probability(clip, widest, rate)
+    assert widest == greedy or widest_score > greedy_score
+    assert greedy_score < 0 and math.isclose(
+        greedy_score, beam(transcriber.model, transcriber.prompt, 1, 50,
+                           mel=transcriber.log_mel(clip)[None], end_token=transcriber.end_token,
+                           suppress=transcriber.suppress,
+                           suppress_at_start=transcriber.suppress_at_start)[1], abs_tol=1e-3)
+    both = transcriber.sequence_log_probabilities(clip, [greedy, greedy[:-1]], rate)  # one encoder pass
+    assert both[0] == pytest.approx(greedy_score, abs=1e-4) and both[1] < both[0]  # "." before the end is likely
+    with pytest.raises(TypeError, match="list of transcripts"):
+        transcriber.sequence_log_probabilities(clip, greedy)
+    with pytest.raises(ValueError, match="beam_size"):
+        transcriber.transcribe(clip, beam_size=0)
+    with pytest.raises(ValueError, match="without the end token"):
+        transcriber.sequence_log_probability(clip, greedy + [transcriber.end_token])
+
+
+# --- word timing ----------------------------------------------------------------------------------
+
+
+def test_dtw_on_a_hand_made_matrix():
+    # cheap cells (0) trace a staircase through expensive ones (1): row 0 for 2 columns, row 1 for 1,
+    # row 2 for 3
+    cost = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+                         [1.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+                         [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
+    path = whisper.dtw(cost)
+    assert path.tolist() == [[0, 0], [0, 1], [1, 2], [2, 3], [2, 4], [2, 5]]
+    assert whisper.dtw(cost.T).tolist() == [[0, 0], [1, 0], [2, 1], [3, 2], [4, 2], [5, 2]]
+    assert whisper.dtw(torch.zeros(1, 4)).tolist() == [[0, 0], [0, 1], [0, 2], [0, 3]]
+    assert whisper.dtw(torch.zeros(3, 1)).tolist() == [[0, 0], [1, 0], [2, 0]]
+
+
+def _all_paths(n, m):
+    if (n, m) == (1, 1):
+        return [[(0, 0)]]
+    paths = []
+    for dn, dm in ((1, 1), (1, 0), (0, 1)):
+        if n - dn >= 1 and m - dm >= 1:
+            paths += [p + [(n - 1, m - 1)] for p in _all_paths(n - dn, m - dm)]
+    return paths
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (4, 4), (2, 6)])
+def test_dtw_finds_the_cheapest_monotonic_path(shape):
+    cost = torch.rand(shape, generator=torch.Generator().manual_seed(sum(shape)), dtype=torch.float64)
+    path = whisper.dtw(cost)
+    steps = path[1:] - path[:-1]
+    assert path[0].tolist() == [0, 0] and path[-1].tolist() == [shape[0] - 1, shape[1] - 1]
+    assert all(step in ([1, 1], [1, 0], [0, 1]) for step in steps.tolist())
+    best = min(sum(float(cost[i, j]) for i, j in p) for p in _all_paths(*shape))
+    assert math.isclose(float(cost[path[:, 0], path[:, 1]].sum()), best, rel_tol=1e-9)
+
+
+def test_dtw_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-empty"):
+        whisper.dtw(torch.zeros(3))
+    with pytest.raises(ValueError, match="non-empty"):
+        whisper.dtw(torch.zeros(0, 3))
+    with pytest.raises(TypeError, match="float"):
+        whisper.dtw(torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="finite"):
+        whisper.dtw(torch.tensor([[0.0, float("inf")]]))
+
+
+def test_median_filter_matches_scipy_with_reflected_edges():
+    ndimage = require("scipy.ndimage")
+    x = torch.randn(2, 3, 20, generator=torch.Generator().manual_seed(0))
+    expected = ndimage.median_filter(x.numpy(), size=(1, 1, 7), mode="mirror")  # mirror = torch's reflect
+    torch.testing.assert_close(whisper.median_filter(x, 7), torch.from_numpy(expected))
+    torch.testing.assert_close(whisper.median_filter(x, 1), x)
+    short = torch.randn(2, 3)
+    assert torch.equal(whisper.median_filter(short, 7), short)  # no longer than width // 2: unchanged
+    with pytest.raises(ValueError, match="odd"):
+        whisper.median_filter(x, 4)
+    with pytest.raises(TypeError, match="float"):
+        whisper.median_filter(torch.ones(5, dtype=torch.long), 3)
+
+
+def test_group_words():
+    assert whisper.group_words([" The", " qu", "ick", " fox", "."]) == [[0], [1, 2], [3, 4]]
+    assert whisper.group_words(["Hello", ",", " world"]) == [[0, 1], [2]]  # the first word needs no space
+    assert whisper.group_words([" He", " said", ' "', "hi", '"', " now"]) == [[0], [1], [2, 3, 4], [5]]
+    assert whisper.group_words([" windy", " .", " So"]) == [[0, 1], [2]]  # lone closing punctuation: backwards
+    assert whisper.group_words([' "']) == [[0]]
+    assert whisper.group_words([" a", ' (']) == [[0, 1]]
+    assert whisper.group_words([]) == []
+    assert whisper.is_punctuation(" ,") and whisper.is_punctuation("...") and not whisper.is_punctuation(" a.")
+    with pytest.raises(TypeError, match="texts"):
+        whisper.group_words(" The quick")
+    with pytest.raises(TypeError, match="texts"):
+        whisper.group_words([1, 2])
+
+
+def test_alignment_heads_are_openai_s_for_tiny_en(transcriber):
+    heads = whisper.decode_alignment_heads(whisper.WHISPER_TINY_EN_ALIGNMENT_HEADS, 4, 6)
+    assert heads == [(1, 0), (2, 0), (2, 5), (3, 0), (3, 1), (3, 2), (3, 3), (3, 4)]
+    config = json.loads((whisper.whisper_dir() / "config.json").read_text())
+    assert [tuple(pair) for pair in config["alignment_heads"]] == heads == transcriber.alignment_heads
+    with pytest.raises(ValueError, match="4 x 5"):
+        whisper.decode_alignment_heads(whisper.WHISPER_TINY_EN_ALIGNMENT_HEADS, 4, 5)
+    with pytest.raises(ValueError, match="base85"):
+        whisper.decode_alignment_heads(b"not base85 ~~~", 4, 6)
+
+
+def test_default_alignment_heads_are_the_last_half_of_the_layers():
+    model = small_whisper()
+    default = whisper.Transcriber(model, None, start_token=1, end_token=29)
+    assert default.alignment_heads == [(1, 0), (1, 1)]
+    with pytest.raises(ValueError, match="alignment_heads"):
+        whisper.Transcriber(model, None, start_token=1, end_token=29, alignment_heads=[(2, 0)])
+    with pytest.raises(ValueError, match="alignment_heads"):
+        whisper.Transcriber(model, None, start_token=1, end_token=29, alignment_heads=[])
+
+
+def test_word_midpoints_fall_inside_the_true_word_intervals(transcriber):
+    truth = json.loads((CLIPS / "words.json").read_text())
+    for name, clip_truth in truth.items():
+        clip, rate = audio.read_wav(CLIPS / f"{name}.wav")
+        timed = transcriber.word_timestamps(clip, rate)
+        assert [metrics.normalize_text(word)[0] for word, _, _ in timed] == \
+            metrics.normalize_text(clip_truth["text"]), timed
+        for (word, start, end), (_, true_start, true_end) in zip(timed, clip_truth["words"], strict=True):
+            assert start <= end and true_start <= (start + end) / 2 <= true_end, (name, word, start, end)
+        assert [start for _, start, _ in timed] == sorted(start for _, start, _ in timed)
+
+
+def test_word_timestamps_reject_bad_input(transcriber):
+    clip, rate = audio.read_wav(CLIPS / "clip1.wav")
+    assert transcriber.word_timestamps(clip, rate, tokens=[]) == []
+    with pytest.raises(ValueError, match="16000"):
+        transcriber.word_timestamps(clip, 8000)
+    with pytest.raises(ValueError, match="1D"):
+        transcriber.word_timestamps(clip[None], rate)
+    with pytest.raises(ValueError, match="empty"):
+        transcriber.word_timestamps(torch.zeros(0), rate)
+    with pytest.raises(ValueError, match="shorter than one encoder position"):
+        transcriber.word_timestamps(clip[:300], rate, tokens=[400])
+    with pytest.raises(ValueError, match="without the end token"):
+        transcriber.word_timestamps(clip, rate, tokens=[400, transcriber.end_token])
+    with pytest.raises(ValueError, match=r"in \[0, 51864\)"):
+        transcriber.word_timestamps(clip, rate, tokens=[60000])
+    with pytest.raises(ValueError, match="at most 30 s"):
+        transcriber.word_timestamps(torch.zeros(audio.N_SAMPLES + 1), rate, tokens=[400])

@@ -18,8 +18,15 @@ from .attention import (
 from .audio import log_mel_spectrogram
 from .bert import BertEncoder, load_minilm
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
-from .ctc import CTCModel, Seq2SeqSpeechModel
-from .generation import generate, next_token
+from .ctc import (
+    CTCModel,
+    Seq2SeqSpeechModel,
+    ctc_best_alignment,
+    ctc_log_alpha,
+    ctc_loss,
+    ctc_prefix_beam_search,
+)
+from .generation import beam_search, generate, next_token
 from .masks import causal_mask, combine_masks, padding_mask
 from .models import GPT, EncoderDecoderModel, EncoderOnlyModel, TransformerDecoder, mean_pool
 from .multihead import (
@@ -52,6 +59,7 @@ __all__ = [
     "GPT",
     "EncoderBlock",
     "FeedForward",
+    "beam_search",
     "generate",
     "next_token",
     "KVCache",
@@ -92,6 +100,10 @@ __all__ = [
     "Transcriber",
     "CTCModel",
     "Seq2SeqSpeechModel",
+    "ctc_loss",
+    "ctc_log_alpha",
+    "ctc_best_alignment",
+    "ctc_prefix_beam_search",
     "log_mel_spectrogram",
     "load_whisper_tiny_en",
     "load_minilm",

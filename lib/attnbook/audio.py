@@ -5,6 +5,7 @@
   a 10 ms hop (160 samples), 80 Slaney mel filters (:func:`mel_filterbank`, built once per size and
   cached), ``log10`` clamped at ``1e-10``, floored at the maximum minus 8 and scaled as ``(x + 4) / 4``;
   :func:`pad_or_trim` cuts or pads audio to Whisper's 30 s window.
+- :func:`add_noise` adds white Gaussian noise at a chosen signal-to-noise ratio (for robustness tests).
 - :func:`griffin_lim` rebuilds a waveform from a magnitude spectrogram (e.g. one recovered from a mel
   spectrogram by :func:`mel_to_linear`); :func:`spectral_convergence` measures how well it fits.
 
@@ -156,6 +157,27 @@ def pad_or_trim(audio: torch.Tensor, length: int = N_SAMPLES) -> torch.Tensor:
     if audio.numel() >= length:
         return audio[:length]
     return F.pad(audio, (0, length - audio.numel()))
+
+
+def add_noise(audio: torch.Tensor, snr_db: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``audio (N,)`` plus white Gaussian noise at a signal-to-noise ratio of ``snr_db`` decibels.
+
+    The noise's power (mean square) is the audio's divided by ``10 ** (snr_db / 10)``: 0 dB is noise
+    as loud as the signal, 20 dB noise a hundredth of its power. The audio's power is its mean square
+    over all ``N`` samples (pauses included). The noise is drawn on the CPU from ``generator``
+    (e.g. :func:`attnbook.generator`) and moved to the audio's device; nothing is clipped.
+    """
+    audio = _check_audio(audio)
+    if isinstance(snr_db, bool) or not isinstance(snr_db, (int, float)) or not math.isfinite(snr_db):
+        raise ValueError(f"snr_db must be a finite number of decibels, got {snr_db!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    power = audio.double().pow(2).mean()  # the signal's mean square
+    if power == 0:
+        raise ValueError("audio is silent (all zeros): a signal-to-noise ratio needs a signal")
+    noise = torch.randn(audio.shape, generator=generator, dtype=torch.float64)  # (N,) unit power
+    noise = noise * torch.sqrt(power.cpu() / 10 ** (snr_db / 10))
+    return audio + noise.to(device=audio.device, dtype=audio.dtype)
 
 
 # --- from a spectrogram back to a waveform --------------------------------------------------------

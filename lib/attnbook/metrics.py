@@ -1,6 +1,7 @@
 """Error rates of sequence outputs: the edit distance, and the token and word error rates built on it.
 
 - :func:`edit_distance`: Levenshtein's distance, the fewest substitutions, insertions and deletions.
+- :func:`edit_operations`: how many of each kind a cheapest alignment needs (the error breakdown).
 - :func:`error_rate`: total edit distance over total reference length, for a corpus of token
   sequences (chapter 10 scores the spoken-digit models with it).
 - :func:`normalize_text` and :func:`word_error_rate`: the word error rate (WER) of transcripts, after
@@ -22,6 +23,33 @@ def edit_distance(reference, hypothesis) -> int:
             current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (r != h)))
         previous = current
     return previous[-1]
+
+
+def edit_operations(reference, hypothesis) -> tuple[int, int, int]:
+    """``(substitutions, deletions, insertions)`` turning ``reference`` into ``hypothesis`` along a
+    cheapest alignment: they sum to :func:`edit_distance`. A deletion is a reference token the
+    hypothesis misses, an insertion a hypothesis token with no reference token.
+
+    Several cheapest alignments can exist (``ab`` -> ``ba``: two substitutions, or a deletion and an
+    insertion); this one has the most substitutions. The counts are then unique: ``deletions -
+    insertions = len(reference) - len(hypothesis)`` fixes the rest.
+    """
+    reference, hypothesis = list(reference), list(hypothesis)
+    # cell (i, j): (edits, deletions + insertions, substitutions, deletions, insertions) of the best
+    # alignment of reference[:i] with hypothesis[:j]; tuples compare edits first, then indels
+    previous = [(j, j, 0, 0, j) for j in range(len(hypothesis) + 1)]  # row 0: insert all
+    for i, r in enumerate(reference, start=1):
+        current = [(i, i, 0, i, 0)]  # column 0: delete all
+        for j, h in enumerate(hypothesis, start=1):
+            e, n, sub, dele, ins = previous[j - 1]
+            diagonal = (e + (r != h), n, sub + (r != h), dele, ins)  # match or substitution
+            e, n, sub, dele, ins = previous[j]
+            deletion = (e + 1, n + 1, sub, dele + 1, ins)
+            e, n, sub, dele, ins = current[j - 1]
+            insertion = (e + 1, n + 1, sub, dele, ins + 1)
+            current.append(min(diagonal, deletion, insertion))
+        previous = current
+    return previous[-1][2:]
 
 
 def error_rate(references, hypotheses) -> float:
