@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = "attention-and-transformers"
 DEFAULT_OUT = ROOT / "_build" / "source" / f"{FOLDER}.zip"
-INCLUDE = ("book", "lib", "tests", "scripts", "_static", "Makefile", "requirements.txt", "pyproject.toml",
+INCLUDE = ("book", "lib", "tests", "scripts", "_static", "binder", "Makefile", "requirements.txt", "pyproject.toml",
            "_config.yml", "_toc.yml", "README.md", "LICENSE", ".ci/run")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".ruff_cache", "_build"}
 SKIP_SUFFIXES = (".pyc", ".egg-info")

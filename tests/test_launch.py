@@ -67,8 +67,15 @@ def test_setup_cell_outside_the_repository_clones_installs_and_moves_to_book(mon
 
 
 def test_setup_cell_without_a_repository_url_says_what_to_do(monkeypatch):
-    with pytest.raises(ModuleNotFoundError, match="clone the book's repository"):
+    with pytest.raises(ModuleNotFoundError, match=r"attention-and-transformers\.zip.*make lab"):
         run_outside(monkeypatch, "")
+
+
+def test_setup_cell_fits_a_code_line_and_names_the_archive_the_site_serves():
+    archive = load("make_source_archive", ROOT / "scripts" / "make_source_archive.py")
+    source = setup_cell.cell_source("https://github.com/owner/repo")
+    assert max(len(line) for line in source.splitlines()) <= 88
+    assert archive.DEFAULT_OUT.name in setup_cell.cell_source("")  # the archive the first page links
 
 
 def test_repository_url_reads_the_config(tmp_path):
@@ -91,3 +98,36 @@ def test_launch_buttons_only_with_a_repository(url, kept):
         options["repository_url"] = url
     launch_buttons.drop_launch_buttons_without_repository(None, SimpleNamespace(html_theme_options=options))
     assert bool(options["launch_buttons"]) == kept
+
+
+def test_figure_alt_reads_titles_and_axis_labels_or_the_text_before():
+    code = ('fig, ax = plt.subplots()\nax.set_title(f"Loss at d={d}")\nax.set(xlabel="step", ylabel="loss")\n'
+            'fig.suptitle(f"{a}: {b}")\n')
+    assert setup_cell.figure_alt(code, "") == "Figure: Loss at d=…; x axis: step; y axis: loss"
+    assert setup_cell.figure_alt("%matplotlib inline\nplt.plot(x)", "Intro.\n\nThe *loss* falls. Then more.") \
+        == "Figure: The loss falls."
+
+
+def test_every_figure_and_solution_is_labelled():
+    import nbformat
+
+    figures = solutions = 0
+    for path in setup_cell.notebooks():
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if any("image/png" in output.get("data", {}) for output in cell.get("outputs", [])):
+                figures += 1
+                assert len(cell.metadata["mystnb"]["image"]["alt"]) > 20, (path.name, cell.source[:60])
+        solutions += len(setup_cell.solution_cells(nb))
+    assert figures >= 60 and solutions >= 50
+
+
+def test_binder_installs_the_cpu_build_of_the_pinned_torch():
+    """mybinder.org's Binder button builds from binder/requirements.txt: PyTorch's CPU wheel index,
+    the torch version requirements.txt pins (as its +cpu build), then requirements.txt itself."""
+    binder = [line.strip() for line in (ROOT / "binder" / "requirements.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    pinned = next(line for line in (ROOT / "requirements.txt").read_text().splitlines()
+                  if line.startswith("torch=="))
+    assert binder == ["--extra-index-url https://download.pytorch.org/whl/cpu", pinned + "+cpu",
+                      "-r ../requirements.txt"]

@@ -223,11 +223,15 @@ def _is_image_file(path: Path) -> bool:
 
 
 def image_problems(page: Path, html: str, rendered_html: str | None = None) -> list[str]:
-    """Images whose file is missing, empty or not an image, remote images, and (given the
-    browser's DOM) images the browser could not display (``naturalWidth`` 0)."""
+    """Images whose file is missing, empty or not an image, remote images, images without alt text
+    that describes them (none, or a file name), and (given the browser's DOM) images the browser
+    could not display (``naturalWidth`` 0)."""
     problems = []
     for img in parse_html(html).find_all("img"):
         src = img.attrs.get("src", "")
+        alt = img.attrs.get("alt", "").strip()
+        if len(alt) < 4 or re.fullmatch(r"[0-9a-f]{16,}(\.\w+)?|\S+\.(png|svg|jpe?g|gif)", alt):
+            problems.append(f"image without alt text that describes it: {src[:60]} (alt {alt!r})")
         if not src:
             problems.append("an <img> without src")
         elif src.startswith("data:"):
@@ -534,6 +538,41 @@ def test_landing_page_has_a_description_and_every_page_a_favicon():
     assert not missing, f"pages without a favicon: {missing[:5]}"
 
 
+def solution_label_problems(page: str, html: str) -> list[str]:
+    """After a page's "Exercises" heading every folded cell reads "Show solution", not the generic
+    "Show code cell content"; a page with exercises has at least one solution."""
+    start = html.find('id="exercises"')
+    if start < 0:
+        return []
+    end = html.find("<section", start + 1)
+    exercises = html[start : end if end > 0 else len(html)]
+    problems = [f"{page}: a solution folded as {label!r}" for label in
+                re.findall(r'class="collapsed admonition-title">(Show code cell \w+)<', exercises)]
+    if "Show solution" not in exercises:
+        problems.append(f"{page}: an Exercises section with no 'Show solution'")
+    return problems
+
+
+@skip_site
+def test_exercise_solutions_fold_under_show_solution():
+    with_exercises = [page for page in PAGES if 'id="exercises"' in (SITE / page).read_text(encoding="utf-8")]
+    assert len(with_exercises) >= 15, f"only {len(with_exercises)} pages with exercises"
+    problems = [p for page in with_exercises
+                for p in solution_label_problems(page, (SITE / page).read_text(encoding="utf-8"))]
+    assert not problems, "\n".join(problems[:20])
+
+
+def test_solution_label_checker():
+    fold = '<p class="collapsed admonition-title">{}</p>'
+    good = '<section id="exercises"><h2>Exercises</h2>' + fold.format("Show solution") + "</section>"
+    assert solution_label_problems("a.html", good) == []
+    generic = good.replace("Show solution", "Show code cell content")
+    assert len(solution_label_problems("a.html", generic)) == 2
+    earlier = fold.format("Show code cell content") + good  # a folded cell before the exercises is fine
+    assert solution_label_problems("a.html", earlier) == []
+    assert solution_label_problems("a.html", "<p>no exercises</p>") == []
+
+
 def test_citation_checker():
     references = ('<div class="citation"><span class="label"><span class="fn-bracket">[</span>Vaswani et al., 2017'
                   '<span class="fn-bracket">]</span></span></div>')
@@ -661,12 +700,15 @@ def test_image_checker(tmp_path):
     (tmp_path / "_images" / "good.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 32)
     (tmp_path / "_images" / "empty.png").write_bytes(b"")
     (tmp_path / "_images" / "text.png").write_text("not a picture")
-    html = '<html><body><img src="../_images/{}"></body></html>'
+    html = '<html><body><img alt="Figure: loss against steps" src="../_images/{}"></body></html>'
     assert image_problems(page, html.format("good.png")) == []
+    for alt in ("", ' alt="9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08.png"',
+                ' alt="good.png"'):
+        assert any("alt text" in p for p in image_problems(page, f'<img{alt} src="../_images/good.png">'))
     assert image_problems(page, html.format("missing.png"))
     assert image_problems(page, html.format("empty.png"))
     assert image_problems(page, html.format("text.png"))
-    assert image_problems(page, '<img src="https://example.com/a.png">')
+    assert image_problems(page, '<img alt="a remote figure" src="https://example.com/a.png">')
     loaded = '<img src="../_images/good.png" data-natural-width="640">'
     broken = '<img src="../_images/good.png" data-natural-width="0">'
     assert image_problems(page, html.format("good.png"), loaded) == []
