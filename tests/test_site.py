@@ -505,6 +505,7 @@ def test_site_is_built_and_chromium_present():
 def citation_problems(references_html: str, chapter_pages: dict[str, str]) -> list[str]:
     """A citation in the text must read as its entry is labelled on the references page: one style
     ("Vaswani et al., 2017") for both, not "[Vaswani et al., 2017]" in the text and "[VSP+17]" in the list."""
+    references_html = references_html.replace("\xa0", " ")  # a no-break space reads as a space
     labels = set(re.findall(r'class="label"><span class="fn-bracket">\[</span>(.*?)<span class="fn-bracket">\]',
                             references_html))
     problems = [f"references page label {label!r} is not 'Author(s), year'" for label in sorted(labels)
@@ -513,7 +514,7 @@ def citation_problems(references_html: str, chapter_pages: dict[str, str]) -> li
         problems.append("no labelled entries on the references page")
     for page, html in chapter_pages.items():
         for link in re.findall(r'<a class="reference internal" href="references\.html#[^"]+"[^>]*>(.*?)</a>', html):
-            text = re.sub(r"<[^>]+>", "", link).strip()
+            text = re.sub(r"<[^>]+>", "", link).replace("\xa0", " ").strip()
             if ", " in text and text not in labels:  # "2017" alone is the year of a textual citation
                 problems.append(f"{page}: citation {text!r} matches no label of the references page")
     return problems
@@ -578,6 +579,9 @@ def test_citation_checker():
                   '<span class="fn-bracket">]</span></span></div>')
     good = '<a class="reference internal" href="references.html#id2" title="x">Vaswani et al., 2017</a>'
     assert citation_problems(references, {"a.html": good}) == []
+    nbsp = good.replace("Vaswani et al., 2017", "van\xa0den Oord et al., 2016")
+    assert citation_problems(references.replace("Vaswani et al., 2017", "van den Oord et al., 2016"),
+                             {"a.html": nbsp}) == []
     alpha = references.replace("Vaswani et al., 2017", "VSP+17")
     assert any("not 'Author(s), year'" in p for p in citation_problems(alpha, {"a.html": good}))
     assert any("matches no label" in p for p in citation_problems(alpha, {"a.html": good}))
