@@ -4,7 +4,15 @@ import itertools
 
 import pytest
 import torch
-from attnbook import GPT, EncoderDecoderModel, EncoderOnlyModel, beam_search, generate, next_token
+from attnbook import (
+    GPT,
+    EncoderDecoderModel,
+    EncoderOnlyModel,
+    beam_search,
+    generate,
+    next_token,
+    speculative_generate,
+)
 from attnbook.cost import kv_cache_bytes
 
 VOCAB, SRC_VOCAB = 17, 13
@@ -403,3 +411,257 @@ def test_beam_search_rejects_bad_input(gpt):
 
 
 # ----------------------------------------------------------------------------- issue 26: top-k, top-p, speculative
+
+
+def test_truncate_logits_keeps_the_top_k_and_the_smallest_nucleus():
+    from attnbook import truncate_logits
+
+    logits = torch.randn(50, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    for k in (1, 3, VOCAB, VOCAB + 5):
+        kept = truncate_logits(logits, top_k=k).isfinite()
+        assert (kept.sum(-1) == min(k, VOCAB)).all()
+        smallest_kept = logits.masked_fill(~kept, float("inf")).amin(-1)  # (50,)
+        assert (logits.masked_fill(kept, float("-inf")).amax(-1) <= smallest_kept).all()  # none left out is larger
+    for p in (0.01, 0.5, 0.9, 0.999, 1.0):
+        kept = truncate_logits(logits, top_p=p).isfinite()
+        probabilities = torch.softmax(logits, -1)
+        for row, keep in zip(probabilities, kept, strict=True):
+            by_size = row.sort(descending=True).values
+            expected = int((by_size.cumsum(0) - by_size < p).sum())  # the fewest most probable tokens reaching p
+            assert int(keep.sum()) == expected
+            assert row[keep].sum() >= min(p, 1.0) - 1e-6
+            assert row[keep].min() >= torch.cat([row[~keep], torch.zeros(1)]).max()  # the most probable ones
+    both = truncate_logits(logits, top_k=4, top_p=0.5).isfinite()
+    assert (both.sum(-1) <= 4).all() and (both <= truncate_logits(logits, top_k=4).isfinite()).all()
+
+
+def test_sampling_probabilities_renormalise_over_the_kept_tokens():
+    from attnbook import sampling_probabilities
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    full = torch.softmax(logits / 0.7, -1)
+    top2 = sampling_probabilities(logits, 0.7, top_k=2)
+    torch.testing.assert_close(top2[0, :2], full[0, :2] / full[0, :2].sum())
+    assert top2[0, 2:].abs().sum() == 0
+    torch.testing.assert_close(sampling_probabilities(logits, 0.7), full)
+    samples = next_token(logits.expand(4000, 5), 1.0, torch.Generator().manual_seed(0), top_p=0.8)
+    frequency = torch.bincount(samples, minlength=5) / 4000
+    torch.testing.assert_close(frequency, sampling_probabilities(logits, 1.0, top_p=0.8)[0], atol=0.03, rtol=0)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        sampling_probabilities(logits, 0.0)
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy(gpt):
+    prompt = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    greedy = generate(gpt, prompt, 20)
+    for truncation in (dict(top_k=1), dict(top_p=1e-6)):
+        for temperature in (0.5, 2.0):
+            sampled = generate(gpt, prompt, 20, temperature=temperature, generator=torch.Generator().manual_seed(1),
+                               **truncation)
+            assert torch.equal(sampled, greedy)
+
+
+def test_no_truncation_leaves_sampling_unchanged(gpt):
+    """top_k=None/top_p=None (the defaults), top_k >= vocab and top_p=1 all draw the very same tokens."""
+    prompt = torch.tensor([[2, 7]])
+    runs = [generate(gpt, prompt, 25, temperature=1.2, generator=torch.Generator().manual_seed(3), **kwargs)
+            for kwargs in (dict(), dict(top_k=None, top_p=None), dict(top_k=VOCAB), dict(top_p=1.0))]
+    assert all(torch.equal(run, runs[0]) for run in runs)
+
+
+def test_sampled_tokens_stay_in_the_kept_set(gpt):
+    prompt = torch.tensor([[4, 4, 2]])
+    for kwargs in (dict(top_k=3), dict(top_p=0.6), dict(top_k=5, top_p=0.7)):
+        tokens = generate(gpt, prompt, 30, temperature=3.0, generator=torch.Generator().manual_seed(2), **kwargs)
+        with torch.no_grad():
+            logits = gpt(tokens[:, :-1])[0, 2:] / 3.0  # (30, V): the distribution of each new token
+        from attnbook import truncate_logits
+
+        kept = truncate_logits(logits, **kwargs).isfinite()
+        assert kept.gather(1, tokens[0, 3:, None]).all()
+
+
+@pytest.mark.parametrize("top_k", [0, -2, 1.5, True, "3"])
+def test_top_k_validated(gpt, top_k):
+    with pytest.raises(ValueError, match=f"top_k must be a positive int, got {top_k!r}"):
+        generate(gpt, torch.tensor([[1]]), 2, temperature=1.0, top_k=top_k)
+    with pytest.raises(ValueError, match="top_k"):
+        next_token(torch.randn(1, 5), 1.0, top_k=top_k)
+
+
+@pytest.mark.parametrize("top_p", [0, 0.0, -0.1, 1.01, float("nan"), True, "0.9"])
+def test_top_p_validated(gpt, top_p):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], got"):
+        generate(gpt, torch.tensor([[1]]), 2, temperature=1.0, top_p=top_p)
+    with pytest.raises(ValueError, match="top_p"):
+        next_token(torch.randn(1, 5), 0.0, top_p=top_p)  # validated even where it would not matter
+
+
+def test_kv_cache_truncate_forgets_the_last_tokens():
+    from attnbook import KVCache
+
+    cache = KVCache(1, 2, 8, 4)
+    cache.append(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4))
+    cache.truncate(3)
+    keys, _ = cache.append(torch.full((1, 2, 1, 4), 7.0), torch.full((1, 2, 1, 4), 7.0))
+    assert cache.length == 4 and keys[0, 0, :, 0].tolist() == [1, 1, 1, 7]
+    for bad in (-1, 5, 2.0, True):
+        with pytest.raises(ValueError, match=r"truncate needs a length in \[0, 4\]"):
+            cache.truncate(bad)
+
+
+@pytest.fixture(scope="module")
+def drafts(gpt):
+    """Three drafts of the module's GPT: itself, a noisy copy (agrees often, not always), and an unrelated
+    smaller model (agrees rarely)."""
+    import copy
+
+    noisy = copy.deepcopy(gpt)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(0.1 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    torch.manual_seed(5)
+    small = GPT(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=1, max_len=48).eval()
+    return {"self": gpt, "noisy": noisy, "small": small}
+
+
+def count_calls(model):
+    """A list that gets one entry per forward call of ``model`` (remove the hook with ``.handle.remove()``)."""
+
+    class Calls(list):
+        pass
+
+    calls = Calls()
+    calls.handle = model.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["self", "noisy", "small"])
+@pytest.mark.parametrize("num_draft", [1, 3, 6])
+def test_speculative_greedy_gives_the_targets_greedy_tokens(gpt, drafts, name, num_draft):
+    draft = drafts[name]
+    total = SpeculativeTotals()
+    for seed in range(6):
+        prompt = torch.randint(0, VOCAB, (1 + seed,), generator=torch.Generator().manual_seed(seed))
+        new = 12 + 5 * seed
+        target_calls, draft_calls = count_calls(gpt), count_calls(draft) if draft is not gpt else None
+        try:
+            tokens, stats = speculative_generate(gpt, draft, prompt, new, num_draft=num_draft)
+        finally:
+            target_calls.handle.remove()
+            if draft_calls is not None:
+                draft_calls.handle.remove()
+        assert torch.equal(tokens, generate(gpt, prompt, new))
+        assert stats.new_tokens == new and 0 <= stats.accepted <= stats.drafted
+        if draft is gpt:
+            assert len(target_calls) == stats.target_calls + stats.draft_calls
+        else:
+            assert (len(target_calls), len(draft_calls)) == (stats.target_calls, stats.draft_calls)
+            assert target_calls[0] == len(prompt) + min(num_draft, new - 1)  # the prompt and the first drafts
+        assert stats.draft_calls == stats.drafted  # one draft call per drafted token
+        # every round writes accepted + 1 tokens with one target call, and ends in at most one rejection
+        assert stats.accepted + stats.target_calls == new
+        assert stats.rejected <= stats.target_calls and stats.accepted + stats.rejected <= stats.drafted
+        total.add(stats)
+    if name == "self":  # the target agrees with itself: num_draft + 1 tokens per target call
+        assert total.accepted == total.drafted
+        assert stats.target_calls == -(-new // (num_draft + 1))
+    elif name == "noisy":
+        assert 0.2 < total.accepted / total.drafted < 1  # both paths: acceptances and rejections
+    else:
+        assert total.accepted / total.drafted < 0.5
+
+
+class SpeculativeTotals:
+    def __init__(self):
+        self.accepted = self.drafted = 0
+
+    def add(self, stats):
+        self.accepted += stats.accepted
+        self.drafted += stats.drafted
+
+
+def test_speculative_sampling_is_distributed_as_the_target():
+    """With 3 tokens the exact distribution of 3 new tokens (27 sequences) is computable: the product of the
+    target's softmax at each step. Over n seeded runs, the empirical distribution is within total variation
+    E[TV] + sqrt(ln(1/delta) / 2n) of it (E[TV] <= sum_x sqrt(p(x)(1 - p(x)) / n) / 2; McDiarmid, delta = 1e-4),
+    while the draft's own distribution is much further away."""
+    torch.manual_seed(6)
+    target = GPT(vocab_size=3, d_model=16, num_heads=2, num_layers=2, max_len=16).eval()
+    draft = GPT(vocab_size=3, d_model=8, num_heads=2, num_layers=1, max_len=16).eval()
+    with torch.no_grad():
+        for model, scale in ((target, 4.0), (draft, 4.0)):  # sharper, more different distributions
+            model.lm_head.weight.mul_(scale)
+    prompt = [1, 2]
+    sequences = list(itertools.product(range(3), repeat=3))
+    for temperature, num_draft in ((1.0, 2), (0.7, 4)):
+
+        def exact(model, temperature):
+            with torch.no_grad():
+                return torch.tensor([
+                    torch.softmax(model(torch.tensor([prompt + list(s)]))[0, 1:-1] / temperature, -1)
+                    .gather(1, torch.tensor(s)[:, None]).prod().item() for s in sequences])
+
+        p, q = exact(target, temperature), exact(draft, temperature)
+        n = 1000
+        counts = torch.zeros(len(sequences))
+        generator = torch.Generator().manual_seed(7)
+        accepted = drafted = 0
+        for _ in range(n):
+            tokens, stats = speculative_generate(target, draft, prompt, 3, num_draft=num_draft,
+                                                 temperature=temperature, generator=generator)
+            counts[sequences.index(tuple(tokens[0, 2:].tolist()))] += 1
+            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+        bound = float(0.5 * (p * (1 - p) / n).sqrt().sum() + (torch.log(torch.tensor(1e4)) / (2 * n)).sqrt())
+        tv = 0.5 * float((counts / n - p).abs().sum())
+        assert tv < bound < 0.5 * float((q - p).abs().sum())
+        assert 0.1 < accepted / drafted < 0.95  # both branches of the rule ran
+
+
+def test_speculative_sampling_with_itself_as_draft_accepts_everything(gpt):
+    tokens, stats = speculative_generate(gpt, gpt, [1, 2, 3], 20, num_draft=4, temperature=1.0,
+                                         generator=torch.Generator().manual_seed(0))
+    assert tokens.shape == (1, 23) and stats.acceptance_rate == 1.0 and stats.target_calls == 4
+    assert stats.rejected == 0 and stats.per_token_acceptance == 1.0
+    assert stats.target_calls_per_token == pytest.approx(0.2)
+
+
+def test_speculative_restores_modes_and_handles_zero_or_one_token(gpt, drafts):
+    gpt.train()
+    drafts["small"].train()
+    try:
+        tokens, stats = speculative_generate(gpt, drafts["small"], torch.tensor([[1, 2]]), 0)
+        assert tokens.tolist() == [[1, 2]] and stats.target_calls == 0 and stats.acceptance_rate != 1
+        tokens, stats = speculative_generate(gpt, drafts["small"], torch.tensor([[1, 2]]), 1)
+        assert torch.equal(tokens, generate(gpt, torch.tensor([[1, 2]]), 1))
+        assert (stats.target_calls, stats.draft_calls, stats.target_calls_per_token) == (1, 0, 1.0)
+        assert gpt.training and drafts["small"].training
+    finally:
+        gpt.eval()
+        drafts["small"].eval()
+
+
+def test_speculative_rejects_bad_input(gpt, drafts):
+    small = drafts["small"]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"num_draft must be a positive int, got {bad!r}"):
+            speculative_generate(gpt, small, [1], 3, num_draft=bad)
+    other_vocabulary = GPT(vocab_size=VOCAB + 1, d_model=16, num_heads=2, num_layers=1, max_len=48)
+    with pytest.raises(ValueError, match=r"share one vocabulary: target.vocab_size=17, draft.vocab_size=18"):
+        speculative_generate(gpt, other_vocabulary, [1], 3)
+    with pytest.raises(ValueError, match=r"continues one sequence: prompt must be \(T,\) or \(1, T\), got \(2, 3\)"):
+        speculative_generate(gpt, small, torch.zeros(2, 3, dtype=torch.long), 3)
+    short = GPT(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=1, max_len=8)
+    with pytest.raises(ValueError, match="exceeds the draft's max_len=8"):
+        speculative_generate(gpt, short, [1, 2], 10)
+    with pytest.raises(ValueError, match="exceeds max_len=48"):
+        speculative_generate(gpt, small, [1, 2], 47)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(gpt, small, [1], 3, temperature=-1.0)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        speculative_generate(gpt, small, [1], 3, temperature=1.0, generator=0)
+    with pytest.raises(TypeError, match="speculative_generate needs a torch.nn.Module"):
+        speculative_generate(gpt, "small", [1], 3)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):
+        speculative_generate(gpt, small, [VOCAB], 3)

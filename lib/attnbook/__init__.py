@@ -26,12 +26,21 @@ from .ctc import (
     ctc_loss,
     ctc_prefix_beam_search,
 )
-from .generation import beam_search, generate, next_token
-from .masks import causal_mask, combine_masks, padding_mask
+from .generation import (
+    SpeculativeStats,
+    beam_search,
+    generate,
+    next_token,
+    sampling_probabilities,
+    speculative_generate,
+    truncate_logits,
+)
+from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .models import GPT, EncoderDecoderModel, EncoderOnlyModel, TransformerDecoder, mean_pool
 from .multihead import (
     KVCache,
     MultiHeadAttention,
+    RollingKVCache,
     RotaryMultiHeadAttention,
     WideMultiHeadAttention,
     merge_heads,
@@ -40,9 +49,13 @@ from .multihead import (
 from .positions import (
     LearnedPositions,
     SinusoidalPositions,
+    alibi_bias,
+    alibi_slopes,
     apply_rope,
     interpolate_grid,
+    rope_angles,
     sinusoidal_encoding,
+    yarn_attention_factor,
 )
 from .utils import device, generator, on_gpu, progress, seed_everything, seed_offset, show_source
 from .vit import PatchEmbedding, SmallResNet, ViT
@@ -62,6 +75,10 @@ __all__ = [
     "beam_search",
     "generate",
     "next_token",
+    "sampling_probabilities",
+    "speculative_generate",
+    "SpeculativeStats",
+    "truncate_logits",
     "KVCache",
     "LearnedPositions",
     "MultiHeadAttention",
@@ -69,6 +86,12 @@ __all__ = [
     "SinusoidalPositions",
     "WideMultiHeadAttention",
     "apply_rope",
+    "alibi_bias",
+    "alibi_slopes",
+    "rope_angles",
+    "yarn_attention_factor",
+    "sliding_window_mask",
+    "RollingKVCache",
     "interpolate_grid",
     "merge_heads",
     "sinusoidal_encoding",

@@ -1,5 +1,5 @@
-"""Generating tokens: the library's decoding loops, greedy or sampled (with or without a KV cache) and
-beam search.
+"""Generating tokens: the library's decoding loops, greedy or sampled (with or without a KV cache, with
+or without top-k / top-p truncation), beam search, and speculative decoding.
 
 Without a cache every step runs the model on the whole sequence so far; with one, each step runs
 it on the newest token only, which computes just that token's query, key and value per layer.
@@ -7,9 +7,12 @@ it on the newest token only, which computes just that token's query, key and val
 :func:`generate` and :func:`beam_search` drive any module with the decoding interface of :mod:`attnbook.models`
 (``max_len``, ``vocab_size``, ``decoding_context``, ``decoding_caches``, ``decode_step``): the GPT,
 the encoder–decoder, Whisper and chapter 10's speech model, and a wrapped or compiled one of them.
+:func:`speculative_generate` drives two of them, a target and a cheaper draft, over one shared vocabulary.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,20 +38,74 @@ def _check_generator(generator, device: torch.device) -> None:
                          "make it with attnbook.generator(seed, device=...)")
 
 
-def next_token(logits: torch.Tensor, temperature: float = 0.0, generator=None) -> torch.Tensor:
-    """Pick the next token from ``logits (B, vocab)``: argmax at temperature 0, else sample
-    from ``softmax(logits / temperature)``. Returns ``(B,)``."""
+def _check_top_k(top_k) -> int | None:
+    return None if top_k is None else check_positive_int("top_k", top_k)
+
+
+def _check_top_p(top_p) -> float | None:
+    if top_p is None:
+        return None
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    return float(top_p)
+
+
+def truncate_logits(logits: torch.Tensor, *, top_k=None, top_p=None) -> torch.Tensor:
+    """``logits (..., vocab)`` with every token outside the kept set at ``-inf``, so that a softmax
+    renormalises over the kept ones.
+
+    ``top_k`` keeps the ``k`` largest logits (exactly ``k``: ties at the border are broken by
+    ``topk``). ``top_p`` (nucleus) keeps the smallest set of most probable tokens whose probability
+    under ``softmax(logits)`` reaches ``p``: a token is kept if the tokens more probable than it hold
+    less than ``p``, so the most probable token is always kept. With both, top-k is applied first.
+    """
+    top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
+    if top_k is not None and top_k < logits.shape[-1]:
+        top = logits.topk(top_k, dim=-1).indices  # (..., k)
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True)  # (..., vocab)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_probabilities, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
+        cumulative = sorted_probabilities.cumsum(dim=-1)  # (..., vocab), most probable first
+        before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+        keep = torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before < top_p)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def sampling_probabilities(logits: torch.Tensor, temperature: float = 1.0, *, top_k=None,
+                           top_p=None) -> torch.Tensor:
+    """The distribution that sampling draws from: ``softmax(logits / temperature)`` in float32 over
+    the last axis, after :func:`truncate_logits` of the tempered logits when ``top_k`` or ``top_p``
+    is given (so ``top_p`` counts probability at that temperature). ``temperature`` must be > 0."""
     temperature = _check_temperature(temperature)
+    if temperature == 0:
+        raise ValueError("sampling_probabilities needs temperature > 0 (temperature 0 is greedy: the argmax)")
+    logits = logits.float() / temperature
+    if top_k is not None or top_p is not None:
+        logits = truncate_logits(logits, top_k=top_k, top_p=top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def next_token(logits: torch.Tensor, temperature: float = 0.0, generator=None, *, top_k=None,
+               top_p=None) -> torch.Tensor:
+    """Pick the next token from ``logits (B, vocab)``: argmax at temperature 0, else sample from
+    :func:`sampling_probabilities` (``softmax(logits / temperature)``, truncated to the ``top_k``
+    most probable tokens or the ``top_p`` nucleus if given). Returns ``(B,)``.
+
+    ``top_k`` and ``top_p`` change nothing at temperature 0: the argmax is in every kept set."""
+    temperature = _check_temperature(temperature)
+    top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     _check_generator(generator, logits.device)
-    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
+    probabilities = sampling_probabilities(logits, temperature, top_k=top_k, top_p=top_p)
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
-def _check_model(model) -> None:
+def _check_model(model, caller: str = "generate") -> None:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"generate needs a torch.nn.Module with the decoding interface, got {type(model).__name__}")
+        raise TypeError(f"{caller} needs a torch.nn.Module with the decoding interface, got {type(model).__name__}")
     missing = [name for name in DECODING_INTERFACE if not hasattr(model, name)]
     if missing:
         raise TypeError(f"{type(model).__name__} lacks the decoding interface {list(DECODING_INTERFACE)}: "
@@ -64,29 +121,8 @@ def _check_token_list(name: str, tokens, vocab_size: int) -> list[int]:
     return tokens
 
 
-def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, generator=None, end_token=None,
-             suppress=(), suppress_at_start=(), **inputs):
-    """Continue ``prompt (B, T0)`` (or ``(T0,)``) by up to ``max_new_tokens`` tokens; returns ``(B, T0 + new)``.
-
-    ``inputs`` go to the model's ``decoding_context``, computed once: ``source=`` (and
-    ``source_padding_mask=``) for an :class:`~attnbook.models.EncoderDecoderModel`, ``mel=`` for
-    :class:`~attnbook.whisper.Whisper`, ``features=, lengths=`` for chapter 10's speech model.
-    Greedy at ``temperature=0``; sampling otherwise, from ``generator`` (on the model's device) if given.
-    Tokens in ``suppress`` are never chosen, those in ``suppress_at_start`` not as the first new token.
-    With ``end_token`` a sequence stops there (it is included, and a finished sequence is padded with
-    it); the loop ends when every sequence has, so fewer than ``max_new_tokens`` may be returned.
-
-    It runs in eval mode without gradients (not inference mode, so the tokens can feed a training
-    step) and restores the model's training mode afterwards, even after an error. The ids are
-    range-checked once, on the prompt: no step reads a tensor back to the host unless ``end_token``
-    is given (then once a step, to stop early).
-    """
-    _check_model(model)
-    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
-    temperature = _check_temperature(temperature)
-    device = next(model.parameters()).device
-    if temperature > 0:
-        _check_generator(generator, device)
+def _prepare_prompt(prompt, max_new_tokens: int, model, device) -> torch.Tensor:
+    """``prompt`` as a ``(B, T0)`` LongTensor on ``device``, its ids range-checked once, or a clear error."""
     prompt = torch.as_tensor(prompt)
     if prompt.dim() == 1:
         prompt = prompt[None]
@@ -100,6 +136,36 @@ def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, 
         )
     prompt = prompt.to(device=device, dtype=torch.long)
     check_token_ids(prompt, model.vocab_size)  # here, once: with max_new_tokens=0 no model runs
+    return prompt
+
+
+def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, top_k=None, top_p=None,
+             generator=None, end_token=None, suppress=(), suppress_at_start=(), **inputs):
+    """Continue ``prompt (B, T0)`` (or ``(T0,)``) by up to ``max_new_tokens`` tokens; returns ``(B, T0 + new)``.
+
+    ``inputs`` go to the model's ``decoding_context``, computed once: ``source=`` (and
+    ``source_padding_mask=``) for an :class:`~attnbook.models.EncoderDecoderModel`, ``mel=`` for
+    :class:`~attnbook.whisper.Whisper`, ``features=, lengths=`` for chapter 10's speech model.
+    Greedy at ``temperature=0``; sampling otherwise, from ``generator`` (on the model's device) if given,
+    restricted to the ``top_k`` most probable tokens and/or the ``top_p`` nucleus if given (see
+    :func:`truncate_logits`; they change nothing at temperature 0).
+    Tokens in ``suppress`` are never chosen, those in ``suppress_at_start`` not as the first new token.
+    With ``end_token`` a sequence stops there (it is included, and a finished sequence is padded with
+    it); the loop ends when every sequence has, so fewer than ``max_new_tokens`` may be returned.
+
+    It runs in eval mode without gradients (not inference mode, so the tokens can feed a training
+    step) and restores the model's training mode afterwards, even after an error. The ids are
+    range-checked once, on the prompt: no step reads a tensor back to the host unless ``end_token``
+    is given (then once a step, to stop early).
+    """
+    _check_model(model)
+    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
+    temperature = _check_temperature(temperature)
+    top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
+    device = next(model.parameters()).device
+    if temperature > 0:
+        _check_generator(generator, device)
+    prompt = _prepare_prompt(prompt, max_new_tokens, model, device)
     suppress = _check_token_list("suppress", suppress, model.vocab_size)
     suppress_at_start = _check_token_list("suppress_at_start", suppress_at_start, model.vocab_size)
     if end_token is not None:
@@ -120,7 +186,7 @@ def generate(model, prompt, max_new_tokens, *, use_cache=True, temperature=0.0, 
                     logits[:, suppress] = float("-inf")
                 if step == 0 and suppress_at_start:
                     logits[:, suppress_at_start] = float("-inf")
-                new = next_token(logits, temperature, generator)  # (B,)
+                new = next_token(logits, temperature, generator, top_k=top_k, top_p=top_p)  # (B,)
                 end = T0 + step + 1
                 if end_token is not None:
                     new = new.masked_fill(finished, end_token)
@@ -258,3 +324,148 @@ def beam_search(model, prompt, max_new_tokens: int, *, beam_size: int = 4, lengt
             logits = model.decode_step(step_tokens, context, caches)[:, -1]  # (beam, V)
     _, best_score, best = max(finished, key=lambda item: item[0])
     return prompt + best, float(best_score)
+
+
+@dataclass
+class SpeculativeStats:
+    """What one :func:`speculative_generate` call did: ``new_tokens`` written, ``target_calls`` and
+    ``draft_calls`` (forward passes of each model, the prompt's included), ``drafted`` (tokens the
+    draft proposed), ``accepted`` (of them, the ones the target kept) and ``rejected`` (the ones it
+    turned down: at most one a round, since the drafts after a rejected one are never judged)."""
+
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The fraction of drafted tokens accepted (NaN if none was drafted)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """The fraction of judged draft tokens accepted, ``accepted / (accepted + rejected)``: an
+        estimate of the probability that the target accepts a draft token (NaN if none was judged)."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else float("nan")
+
+    @property
+    def target_calls_per_token(self) -> float:
+        """Target forward passes per new token: 1 for ordinary decoding, down to ``1 / (num_draft + 1)``."""
+        return self.target_calls / self.new_tokens if self.new_tokens else float("nan")
+
+
+def _leading_true(flags: torch.Tensor) -> int:
+    """How many of the 1-D booleans ``flags`` are True before the first False."""
+    return int(flags.long().cumprod(dim=0).sum())
+
+
+def speculative_generate(target, draft, prompt, max_new_tokens, *, num_draft: int = 4, temperature: float = 0.0,
+                         generator=None) -> tuple[torch.Tensor, SpeculativeStats]:
+    """Continue one ``prompt`` (``(T0,)`` or ``(1, T0)``) by ``max_new_tokens`` tokens of ``target``,
+    with a cheaper ``draft`` model guessing ahead; returns ``(tokens (1, T0 + new), stats)``.
+
+    Each round the draft proposes ``num_draft`` tokens, one cheap call each; the target scores all of
+    them in **one** call (its logits at the ``num_draft + 1`` positions) and keeps the longest prefix it
+    agrees with, then adds one token of its own, so a round writes 1 to ``num_draft + 1`` tokens for
+    one target call:
+
+    - Greedy (``temperature=0``): a drafted token is accepted if it is the target's argmax; the first
+      one that is not is replaced by the target's argmax. The tokens are those of
+      ``generate(target, prompt, max_new_tokens)``.
+    - Sampling: drafted token ``x``, drawn from the draft's ``q = softmax(z_draft / temperature)``, is
+      accepted with probability ``min(1, p(x) / q(x))`` under the target's ``p``; the first rejected one
+      is replaced by a draw from ``max(0, p - q)`` renormalised; after ``num_draft`` acceptances a bonus
+      token is drawn from ``p``. Every token is then distributed exactly as if drawn from the target
+      (Leviathan et al. 2023; Chen et al. 2023), whatever the draft.
+
+    Both models keep KV caches. Both caches hold every final token but the last; rejected draft
+    tokens are rolled back out of them with :meth:`~attnbook.multihead.KVCache.truncate`. The last
+    round drafts fewer tokens so that exactly ``max_new_tokens`` are written. Both models run in eval
+    mode without gradients; their training modes are restored afterwards.
+    """
+    _check_model(target, "speculative_generate")
+    _check_model(draft, "speculative_generate")
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(f"target and draft must share one vocabulary: target.vocab_size={target.vocab_size}, "
+                         f"draft.vocab_size={draft.vocab_size}")
+    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
+    num_draft = check_positive_int("num_draft", num_draft)
+    temperature = _check_temperature(temperature)
+    device = next(target.parameters()).device
+    draft_device = next(draft.parameters()).device
+    if draft_device != device:
+        raise ValueError(f"target and draft must be on one device, got {device} and {draft_device}")
+    if temperature > 0:
+        _check_generator(generator, device)
+    prompt = _prepare_prompt(prompt, max_new_tokens, target, device)
+    if prompt.shape[0] != 1:
+        raise ValueError(f"speculative_generate continues one sequence: prompt must be (T,) or (1, T), "
+                         f"got {tuple(prompt.shape)}")
+    T0 = prompt.shape[1]
+    if T0 + max_new_tokens > draft.max_len:
+        raise ValueError(f"prompt of {T0} tokens + max_new_tokens={max_new_tokens} exceeds the draft's "
+                         f"max_len={draft.max_len}")
+
+    stats = SpeculativeStats(new_tokens=max_new_tokens)
+    with eval_mode(target), eval_mode(draft):
+        target_context, draft_context = target.decoding_context(1), draft.decoding_context(1)
+        target_caches = [c for c in _kv_caches(target.decoding_caches(1, target_context)) if not c.static]
+        draft_caches = [c for c in _kv_caches(draft.decoding_caches(1, draft_context)) if not c.static]
+        tokens = prompt.new_empty(1, T0 + max_new_tokens)  # (1, T0 + new): final tokens, then this round's drafts
+        tokens[:, :T0] = prompt
+        end = T0  # tokens[:, :end] are final
+        while end < T0 + max_new_tokens:
+            k = min(num_draft, T0 + max_new_tokens - end - 1)  # a round writes at most k + 1 tokens
+            # 1. the draft proposes k tokens, tokens[end : end + k], one call each
+            draft_probabilities = []  # q of each drafted token's position, (vocab,) each
+            for i in range(k):
+                fed = tokens[:, draft_caches[0].length : end + i]  # what its cache lacks (one token after the first)
+                logits = draft.decode_step(fed, draft_context, draft_caches)[0, -1]  # (vocab,)
+                stats.draft_calls += 1
+                if temperature == 0:
+                    tokens[0, end + i] = logits.argmax()
+                else:
+                    q = sampling_probabilities(logits, temperature)  # (vocab,)
+                    tokens[0, end + i] = torch.multinomial(q, 1, generator=generator)[0]
+                    draft_probabilities.append(q)
+            # 2. the target scores them in one call: k + 1 rows, for positions end - 1 .. end + k - 1
+            fed = tokens[:, target_caches[0].length : end + k]
+            logits = target.decode_step(fed, target_context, target_caches)[0, -(k + 1) :]  # (k + 1, vocab)
+            stats.target_calls += 1
+            drafted = tokens[0, end : end + k]  # (k,)
+            # 3. keep the agreed prefix, then one token of the target's own
+            if temperature == 0:
+                choice = logits.argmax(dim=-1)  # (k + 1,) the target's greedy token at each position
+                accepted = _leading_true(choice[:k] == drafted)
+                new = choice[accepted]
+            else:
+                p = sampling_probabilities(logits, temperature)  # (k + 1, vocab)
+                if k:
+                    q = torch.stack(draft_probabilities)  # (k, vocab)
+                    p_drafted = p[:k].gather(1, drafted[:, None])[:, 0]  # (k,) p(x) of each drafted x
+                    q_drafted = q.gather(1, drafted[:, None])[:, 0]  # (k,) q(x) > 0: x was drawn from q
+                    uniform = torch.rand(k, generator=generator, device=device)  # (k,)
+                    accepted = _leading_true(uniform * q_drafted < p_drafted)  # each with prob. min(1, p/q)
+                else:
+                    accepted = 0
+                if accepted < k:  # the first rejected position: draw from max(0, p - q), renormalised
+                    residual = (p[accepted] - q[accepted]).clamp_min(0)  # (vocab,)
+                    weights = torch.where(residual.sum() > 0, residual, p[accepted])  # p = q: never rejected
+                else:  # all accepted: a bonus token from the target's distribution after the last draft
+                    weights = p[k]
+                new = torch.multinomial(weights, 1, generator=generator)[0]  # multinomial renormalises
+            tokens[0, end + accepted] = new
+            stats.drafted += k
+            stats.accepted += accepted
+            stats.rejected += accepted < k
+            end += accepted + 1
+            # 4. roll the rejected drafts out of both caches: they hold every final token but the last
+            for cache in target_caches:
+                cache.truncate(end - 1)
+            for cache in draft_caches:
+                cache.truncate(min(cache.length, end - 1))
+        return tokens, stats

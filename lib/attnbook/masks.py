@@ -26,6 +26,25 @@ def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Ten
     return torch.ones(n, key_len, dtype=torch.bool, device=device).triu(diagonal=key_len - n + 1)
 
 
+def sliding_window_mask(query_len: int, key_len: int | None = None, window: int | None = None, *,
+                        device=None) -> torch.Tensor:
+    """``(query_len, key_len)`` bool mask for local (sliding-window) causal attention, ``True`` = blocked:
+    each query sees itself and the ``window - 1`` keys before it, nothing earlier and nothing later.
+
+    Aligned to the bottom right as :func:`causal_mask` (query ``t`` is token ``key_len - query_len + t``),
+    so it also serves queries arriving after a cache; ``key_len`` defaults to ``query_len``. With
+    ``window >= key_len`` it equals ``causal_mask(query_len, key_len=key_len)``.
+    """
+    query_len = check_positive_int("query_len", query_len)
+    key_len = query_len if key_len is None else check_positive_int("key_len", key_len)
+    if window is None:
+        raise ValueError("sliding_window_mask needs window, the number of keys each query sees (>= 1)")
+    window = check_positive_int("window", window)
+    query_pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]  # (Tq, 1)
+    key_pos = torch.arange(key_len, device=device)[None, :]  # (1, Tk)
+    return (key_pos > query_pos) | (key_pos <= query_pos - window)  # (Tq, Tk): future, or too far back
+
+
 def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
     """``(B, max_len)`` bool mask, ``True`` at padding positions (position ``>= lengths[b]``).
 

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock
-from .multihead import make_caches
-from .positions import LearnedPositions, SinusoidalPositions
+from .masks import sliding_window_mask
+from .multihead import MultiHeadAttention, RollingKVCache, RotaryMultiHeadAttention, make_caches
+from .positions import LearnedPositions, SinusoidalPositions, alibi_bias
 from .utils import check_positive_int, check_token_ids
 
 
@@ -45,9 +46,10 @@ def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     return embedding
 
 
-def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm, block=EncoderBlock):
-    return nn.ModuleList(block(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
-                         for _ in range(num_layers))
+def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm, block=EncoderBlock,
+                   attention_class=MultiHeadAttention):
+    return nn.ModuleList(block(d_model, num_heads, hidden, dropout, activation=activation, norm=norm,
+                               attention_class=attention_class) for _ in range(num_layers))
 
 
 def _final_norm(norm: str, d_model: int) -> nn.Module:
@@ -70,35 +72,88 @@ def mean_pool(hidden: torch.Tensor, key_padding_mask: torch.Tensor | None = None
     return (hidden * keep).sum(1) / keep.sum(1).clamp_min(1)  # (B, d)
 
 
+GPT_POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: token + learned position embeddings, causal blocks, next-token head.
 
     ``forward(tokens (B, T), caches=None) -> logits (B, T, vocab_size)``. With ``caches`` (from
     :meth:`make_caches`), ``tokens`` holds only the new tokens; their keys and values are appended to
     each layer's cache and only they are computed.
+
+    ``positions`` picks how tokens learn where they are (chapter 13 compares them past the trained
+    length): ``"learned"`` (the default: a table of ``max_len`` rows added to the embeddings),
+    ``"sinusoidal"`` (the fixed encoding, added), ``"rope"`` (queries and keys rotated in every
+    layer; :meth:`set_rope_scaling` stretches it), ``"alibi"`` (a distance penalty added to the scores,
+    :func:`~attnbook.positions.alibi_bias`) or ``"none"`` (NoPE: causal attention alone). With
+    ``window`` each token attends to itself and the ``window - 1`` tokens before it
+    (:func:`~attnbook.masks.sliding_window_mask`), and :meth:`make_caches` gives rolling caches of
+    ``window`` entries.
     """
 
     def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, hidden=None, dropout=0.0,
-                 norm="pre", activation="gelu"):
+                 norm="pre", activation="gelu", positions="learned", window=None):
         super().__init__()
         _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
                      max_len=max_len)
+        if positions not in GPT_POSITIONS:
+            raise ValueError(f"positions must be one of {GPT_POSITIONS}, got {positions!r}")
+        self.window = None if window is None else check_positive_int("window", window)
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
+        self.position_scheme = positions
         self.token_embedding = _token_embedding(vocab_size, d_model)
-        self.positions = LearnedPositions(max_len, d_model)
+        if positions == "learned":
+            self.positions = LearnedPositions(max_len, d_model)
+        elif positions == "sinusoidal":
+            self.positions = SinusoidalPositions(d_model, max_len)
+        else:
+            self.positions = None  # RoPE and ALiBi act inside attention; NoPE has none
         self.dropout = nn.Dropout(dropout)
+        attention_class = RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
         self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm,
-                                     block=DecoderOnlyBlock)
+                                     block=DecoderOnlyBlock, attention_class=attention_class)
         self.final_norm = _final_norm(norm, d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
+    def set_rope_scaling(self, scale: float = 1.0, method: str = "linear", original_length: int | None = None):
+        """Stretch RoPE in every layer (see :func:`~attnbook.positions.rope_angles`); ``scale=1.0`` undoes it."""
+        if self.position_scheme != "rope":
+            raise ValueError(f"set_rope_scaling needs a GPT with positions='rope', this one has "
+                             f"{self.position_scheme!r}")
+        for block in self.blocks:
+            block.self_attention.set_rope_scaling(scale, method, original_length)
+        return self
+
     def make_caches(self, batch_size: int, device=None, dtype=None):
         """One preallocated :class:`~attnbook.multihead.KVCache` per layer, for up to ``max_len`` tokens
-        (on the model's device and in its dtype unless given; the first keys decide in the end)."""
+        (on the model's device and in its dtype unless given; the first keys decide in the end); with a
+        ``window``, one :class:`~attnbook.multihead.RollingKVCache` of ``window`` entries per layer."""
         device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
+        if self.window is not None:
+            return [RollingKVCache(batch_size, self.num_heads, self.window, head_dim, device=device, dtype=dtype)
+                    for _ in self.blocks]
         return make_caches(len(self.blocks), batch_size, self.num_heads, head_dim, self.max_len,
                            device=device, dtype=dtype)
+
+    def attention_mask(self, query_len: int, caches=None, device=None):
+        """The mask every layer adds for ``query_len`` new tokens after ``caches``: ``None`` (causal
+        attention alone), the sliding window's bool mask, ALiBi's bias ``(1, h, Tq, Tk)``, or both."""
+        if self.window is None and self.position_scheme != "alibi":
+            return None
+        cache = caches[0] if caches else None
+        if cache is None:
+            key_len = query_len
+        elif isinstance(cache, RollingKVCache):
+            key_len = cache.key_len(query_len)
+        else:
+            key_len = cache.length + query_len
+        mask = None if self.window is None else sliding_window_mask(query_len, key_len, self.window, device=device)
+        if self.position_scheme != "alibi":
+            return mask  # (Tq, Tk) bool
+        bias = alibi_bias(self.num_heads, query_len, key_len, device=device)[None]  # (1, h, Tq, Tk)
+        return bias if mask is None else bias.masked_fill(mask, float("-inf"))
 
     def forward(self, tokens: torch.Tensor, caches=None, *, check_ids: bool = True) -> torch.Tensor:
         """``check_ids=False`` skips the range check of the ids (which reads them back to the host);
@@ -107,10 +162,14 @@ class GPT(nn.Module):
         check_token_ids(tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids)
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(f"need one cache per block ({len(self.blocks)}), got {len(caches)}")
-        x = self.dropout(self.positions(self.token_embedding(tokens), start))  # (B, T, d)
+        x = self.token_embedding(tokens)  # (B, T, d)
+        if self.positions is not None:
+            x = self.positions(x, start)  # (B, T, d): learned or sinusoidal positions added
+        x = self.dropout(x)
+        mask = self.attention_mask(tokens.shape[1], caches, tokens.device)  # None, window and/or ALiBi
         layer_caches = [None] * len(self.blocks) if caches is None else caches
         for block, cache in zip(self.blocks, layer_caches, strict=True):  # causal: new queries see keys up to them
-            x = block(x, cache=cache)  # (B, T, d)
+            x = block(x, mask, cache=cache)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
     # the decoding interface (see the module docstring)

@@ -14,10 +14,10 @@ from torch import nn
 
 from .attention import scaled_dot_product_attention
 from .masks import attention_mask_for_heads
-from .positions import apply_rope
+from .positions import _check_rope_scaling, apply_rope
 from .utils import check_positive_int
 
-__all__ = ["KVCache", "MultiHeadAttention", "RotaryMultiHeadAttention", "WideMultiHeadAttention",
+__all__ = ["KVCache", "MultiHeadAttention", "RollingKVCache", "RotaryMultiHeadAttention", "WideMultiHeadAttention",
            "attention_mask_for_heads", "make_caches", "merge_heads", "split_heads"]
 
 
@@ -82,6 +82,13 @@ class KVCache:
         self.length += t
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first ``length``: the next :meth:`append` overwrites them
+        (speculative decoding rolls rejected draft tokens back this way). Nothing is copied."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"truncate needs a length in [0, {self.length}] (the tokens stored), got {length!r}")
+        self.length = length
+
     def nbytes(self) -> int:
         """Bytes held by the preallocated keys and values."""
         return self.keys.numel() * self.keys.element_size() * 2
@@ -97,6 +104,64 @@ def make_caches(num_layers: int, batch_size: int, num_heads: int, head_dim: int,
         return [KVCache(batch_size, num_heads, max_len, head_dim, **sizes) for _ in range(num_layers)]
     return [(KVCache(batch_size, num_heads, max_len, head_dim, **sizes),
              KVCache(batch_size, num_heads, memory_len, head_dim, static=True, **sizes)) for _ in range(num_layers)]
+
+
+class RollingKVCache:
+    """The KV cache of sliding-window attention: the keys and values of the last ``window`` tokens only.
+
+    A query sees itself and the ``window - 1`` tokens before it, so older entries are never read again:
+    the cache keeps at most ``window`` of them in preallocated ``(B, h, window, head_dim)`` tensors, and
+    its memory stays ``2 * B * window * d * bytes`` per layer however long the sequence grows.
+    ``length`` counts every token seen (the position of the next one, as for :class:`KVCache`);
+    ``stored`` is how many entries the tensors hold, ``min(length, window)``.
+    :meth:`append` returns the stored entries followed by the new ones, oldest first, trimmed to the
+    ``window - 1 + t`` keys that ``t`` new queries can see; the caller masks them with
+    :func:`~attnbook.masks.sliding_window_mask` (:meth:`key_len` says how many there will be).
+    """
+
+    static = False
+
+    def __init__(self, batch_size, num_heads, window, head_dim, *, device=None, dtype=torch.float32):
+        shape = tuple(check_positive_int(name, value) for name, value in (
+            ("batch_size", batch_size), ("num_heads", num_heads), ("window", window), ("head_dim", head_dim)))
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # tokens seen
+        self.stored = 0  # entries held, at most window
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[2]
+
+    def key_len(self, new_tokens: int) -> int:
+        """How many keys :meth:`append` returns for ``new_tokens`` new tokens."""
+        return min(self.stored + new_tokens, self.window - 1 + new_tokens)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Add ``k, v (B, h, t, head_dim)``; return the keys and values the new queries can see,
+        ``(B, h, key_len(t), head_dim)``, oldest first; keep the last ``window`` of them."""
+        B, h, _, head_dim = self.keys.shape
+        if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (B, h, head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"KV cache expects keys and values (B={B}, h={h}, t, head_dim={head_dim}), "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if self.stored == 0 and (k.dtype != self.keys.dtype or k.device != self.keys.device):
+            self.keys = torch.zeros(self.keys.shape, device=k.device, dtype=k.dtype)  # follow the activations
+            self.values = torch.zeros(self.values.shape, device=k.device, dtype=k.dtype)
+        t = k.shape[2]
+        keys = torch.cat([self.keys[:, :, : self.stored], k.to(self.keys.dtype)], dim=2)  # (B, h, stored + t, d/h)
+        values = torch.cat([self.values[:, :, : self.stored], v.to(self.values.dtype)], dim=2)
+        keep = min(self.window, keys.shape[2])
+        self.keys[:, :, :keep] = keys[:, :, -keep:]  # the last window tokens, oldest first
+        self.values[:, :, :keep] = values[:, :, -keep:]
+        self.stored, self.length = keep, self.length + t
+        visible = self.window - 1 + t  # the first new query sees window - 1 tokens before it
+        return keys[:, :, -visible:], values[:, :, -visible:]
+
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated keys and values (``2 * B * window * d * bytes``)."""
+        return self.keys.numel() * self.keys.element_size() * 2
 
 
 class MultiHeadAttention(nn.Module):
@@ -222,9 +287,24 @@ class WideMultiHeadAttention(nn.Module):
 
 class RotaryMultiHeadAttention(MultiHeadAttention):
     """:class:`MultiHeadAttention` with rotary position embedding (RoPE) applied to each head's
-    queries and keys, so the scores depend on relative position only. Same arguments and shapes."""
+    queries and keys, so the scores depend on relative position only. Same arguments and shapes.
+
+    :meth:`set_rope_scaling` stretches the rotations for inputs longer than the trained length
+    (``scale``, ``method``, ``original_length`` as in :func:`~attnbook.positions.rope_angles`);
+    the default, ``scale=1.0``, is plain RoPE."""
+
+    rope_scale, rope_method, rope_original_length = 1.0, "linear", None
+
+    def set_rope_scaling(self, scale: float = 1.0, method: str = "linear", original_length: int | None = None):
+        """Use RoPE scaled by ``scale`` with ``method`` from now on (``scale=1.0`` turns it off)."""
+        scale, original_length = _check_rope_scaling(scale, method, original_length)
+        self.rope_scale, self.rope_method, self.rope_original_length = scale, method, original_length
+        return self
 
     def project_queries_keys(self, q, k, start):
         if q.shape[2] != k.shape[2]:
             raise ValueError("RotaryMultiHeadAttention is for self-attention (queries and keys from one sequence)")
-        return apply_rope(q, start), apply_rope(k, start)
+        if self.rope_scale == 1.0:
+            return apply_rope(q, start), apply_rope(k, start)
+        scaling = dict(scale=self.rope_scale, method=self.rope_method, original_length=self.rope_original_length)
+        return apply_rope(q, start, **scaling), apply_rope(k, start, **scaling)
