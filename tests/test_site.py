@@ -754,3 +754,21 @@ def test_network_log_reader():
         ],
     }
     assert network_requests(netlog) == ["https://cdn.example/x.js"]
+
+
+def test_author_year_label_keeps_the_von_part():
+    """The references page must label an entry as the text cites it: "van den Oord et al., 2016"."""
+    import importlib.util
+
+    from pybtex.database import Entry, Person
+
+    spec = importlib.util.spec_from_file_location("labels", ROOT / "book" / "_ext" / "author_year_labels.py")
+    labels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(labels)
+    entry = Entry("misc", fields={"year": "2016"},
+                  persons={"author": [Person("van den Oord, Aäron"), Person("Dieleman, Sander"),
+                                      Person("Zen, Heiga")]})
+    assert labels.author_year_label(entry) == "van den Oord et al., 2016"
+    two = Entry("misc", fields={"year": "2014"}, persons={"author": [Person("Graves, Alex"),
+                                                                   Person("Jaitly, Navdeep")]})
+    assert labels.author_year_label(two) == "Graves and Jaitly, 2014"

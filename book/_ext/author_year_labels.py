@@ -16,7 +16,8 @@ def author_year_label(entry) -> str:
     """"Vaswani et al., 2017", "Graves and Jaitly, 2014", "Bahdanau, 2015": the authors' last names
     (et al. beyond two; the editors, or the title, when there are no authors) and the year."""
     people = entry.persons.get("author") or entry.persons.get("editor") or []
-    names = [" ".join(person.last_names) or " ".join(person.first_names) for person in people]
+    names = [" ".join(person.prelast_names + person.last_names) or " ".join(person.first_names)
+             for person in people]  # "van den Oord": the von part belongs to the name
     if not names:
         who = entry.fields.get("title", entry.key)
     elif len(names) == 1:
