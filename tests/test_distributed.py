@@ -6,7 +6,14 @@ import json
 import pytest
 import torch
 from attnbook import distributed
-from attnbook.distributed import Config, launch, rank_batches, train_averaging, train_single, windows_dataset
+from attnbook.distributed import (
+    Config,
+    launch,
+    rank_batches,
+    train_averaging,
+    train_single,
+    windows_dataset,
+)
 
 STEPS = 5  # enough for the optimizer's momentum to matter; the launch itself is most of the ~10 s
 

@@ -8,7 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attnbook import GPT
-from attnbook.train import History, accuracy, count_parameters, lr_at, to_device, train, train_classifier
+from attnbook.train import (
+    History,
+    accuracy,
+    count_parameters,
+    lr_at,
+    to_device,
+    train,
+    train_classifier,
+)
 from torch import nn
 
 

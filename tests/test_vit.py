@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 from attnbook import ViT, interpolate_grid
 from attnbook.train import accuracy, count_parameters, train_classifier
-from attnbook.vit import PatchEmbedding, SmallResNet, patch_grid, patchify, resize_position_table
+from attnbook.vit import (
+    PatchEmbedding,
+    SmallResNet,
+    mean_attention_distance,
+    patch_grid,
+    patchify,
+    resize_position_table,
+)
 from torch import nn
 
 # ---------------------------------------------------------------------------------------------
@@ -151,6 +158,47 @@ def test_vit_without_positions_is_a_bag_of_patches():
         assert not torch.allclose(model(images), model(shuffled), atol=1e-4)  # positions tell the patches apart
         model.positions.table.zero_()
         torch.testing.assert_close(model(images), model(shuffled), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_vit_built_without_positions_ignores_the_order_of_its_patches(pool):
+    torch.manual_seed(3)
+    model = ViT(28, 7, 10, 16, 2, 2, pool=pool, position_embedding="none").eval()
+    learned = ViT(28, 7, 10, 16, 2, 2, pool=pool)
+    assert model.positions is None
+    assert count_parameters(learned) - count_parameters(model) == (16 + (pool == "cls")) * 16
+    images = torch.rand(3, 1, 28, 28)
+    tiles = images.reshape(3, 1, 4, 7, 4, 7).permute(0, 1, 2, 4, 3, 5).reshape(3, 1, 16, 7, 7)
+    order = torch.randperm(16)  # any permutation of the 16 patches, not only rows and columns
+    shuffled = tiles[:, :, order].reshape(3, 1, 4, 4, 7, 7).permute(0, 1, 2, 4, 3, 5).reshape(3, 1, 28, 28)
+    with torch.no_grad():
+        assert not torch.equal(images, shuffled)
+        torch.testing.assert_close(model(images), model(shuffled), rtol=1e-4, atol=1e-5)
+        tokens, shuffled_tokens = model.tokens(images), model.tokens(shuffled)
+        first = model.num_prefix  # the patch outputs are permuted with the patches
+        torch.testing.assert_close(shuffled_tokens[:, first:], tokens[:, first:][:, order], rtol=1e-4, atol=1e-5)
+    model.resize(56)  # no table to interpolate: only the grid changes
+    assert model(torch.rand(1, 1, 56, 56)).shape == (1, 10)
+    with pytest.raises(ValueError, match="position_embedding must be one of.*'sinusoidal'"):
+        ViT(28, 7, 10, 16, 2, 1, position_embedding="sinusoidal")
+
+
+def test_mean_attention_distance_by_hand():
+    n = 4  # a 2 x 2 grid of 7-pixel patches, one <cls> in front
+    own = torch.eye(1 + n).expand(2, 3, -1, -1)  # every token attends to itself
+    torch.testing.assert_close(mean_attention_distance(own, 2, 7, 1), torch.zeros(3))
+    uniform = torch.full((1, 1, 1 + n, 1 + n), 1 / (1 + n))  # <cls> weight is dropped
+    pairs = torch.tensor([0, 7, 7, 7 * 2**0.5])  # from one patch to the 4 of the grid
+    expected = pairs.mean()
+    torch.testing.assert_close(mean_attention_distance(uniform, (2, 2), 7, 1), expected[None])
+    neighbour = torch.zeros(1, 2, n, n)  # head 0: to the patch on the right (or left)
+    neighbour[0, 0] = torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0.0]])
+    neighbour[0, 1] = torch.tensor([[0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0.0]])
+    torch.testing.assert_close(mean_attention_distance(neighbour, 2, 1), torch.tensor([1.0, 2**0.5]))
+    with pytest.raises(ValueError, match=r"T = 1 \+ 2\*2 = 5, got \(1, 2, 4, 4\)"):
+        mean_attention_distance(neighbour, 2, 1, num_prefix=1)
+    with pytest.raises(ValueError, match="patch_size"):
+        mean_attention_distance(neighbour, 2, 0)
 
 
 def test_vit_rejects_bad_input():

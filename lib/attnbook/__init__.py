@@ -2,10 +2,10 @@
 
 One module per concept, each standing on the ones before (imports only go downward):
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
-with data and train (datasets, the training loop), cost (formulas, timing), measure (timing
-helpers), bert (MiniLM-L6 in our encoder), vit (chapter 9), audio, whisper, ctc and metrics
-(chapter 10), distributed (the appendix: DDP and FSDP on gloo, imported on its own as
-``attnbook.distributed``) and bench (``python -m attnbook.bench``).
+with data and train (datasets, the training loop), cost (formulas, timing), measure
+(timing helpers), bert (MiniLM-L6 in our encoder), vit (chapter 9), audio, whisper, ctc
+and metrics (chapter 10), distributed (the appendix: DDP and FSDP on gloo, imported on
+its own as ``attnbook.distributed``) and bench (``python -m attnbook.bench``).
 """
 
 from . import audio, bert, cost, ctc, data, measure, metrics, train, vit, whisper
@@ -36,7 +36,13 @@ from .generation import (
     truncate_logits,
 )
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
-from .models import GPT, EncoderDecoderModel, EncoderOnlyModel, TransformerDecoder, mean_pool
+from .models import (
+    GPT,
+    EncoderDecoderModel,
+    EncoderOnlyModel,
+    TransformerDecoder,
+    mean_pool,
+)
 from .multihead import (
     KVCache,
     MultiHeadAttention,
@@ -57,7 +63,15 @@ from .positions import (
     sinusoidal_encoding,
     yarn_attention_factor,
 )
-from .utils import device, generator, on_gpu, progress, seed_everything, seed_offset, show_source
+from .utils import (
+    device,
+    generator,
+    on_gpu,
+    progress,
+    seed_everything,
+    seed_offset,
+    show_source,
+)
 from .vit import PatchEmbedding, SmallResNet, ViT
 from .whisper import Transcriber, Whisper, load_whisper_tiny_en
 

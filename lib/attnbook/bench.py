@@ -1,45 +1,55 @@
-"""The library's speed and memory bars, measured: ``python -m attnbook.bench [--quick] [--check]``.
+"""The library's speed and memory bars, measured: ``python -m attnbook.bench [--quick]
+[--check]``.
 
-Prints the machine (CPU model, PyTorch's threads, torch version), then one line per figure,
-``name: value (bar ...: met|MISSED)``. Each figure is a ratio of two things measured in this run
-(median of several repetitions, the two timed in turn ``A, B, A, B, ...``), so it depends on how
-the two compare rather than on how fast the machine is:
+Prints the machine (CPU model, PyTorch's threads, torch version), then one line per
+figure, ``name: value (bar ...: met|MISSED)``. Each figure is a ratio of two things
+measured in this run (median of several repetitions, the two timed in turn ``A, B, A, B,
+...``), so it depends on how the two compare rather than on how fast the machine is:
 
-- ``efficient_attention_vs_torch_4096``: our :func:`~attnbook.attention.memory_efficient_attention`
-  / ``F.scaled_dot_product_attention``, B=1, h=8, n=4096, d/h=64, fp32. Bar: <= 2.5.
-- ``efficient_causal_attention_vs_torch_4096``: the same with ``is_causal=True`` on both. Bar: <= 3.0.
-- ``efficient_attention_peak_memory_8192``: peak memory of ``memory_efficient_attention`` / that of a
-  naive attention that stores exactly one ``n x n`` matrix (scores, turned into weights in place),
-  B=h=1, n=8192, d=64. Bar: <= 0.05.
-- ``kv_cache_speedup_512``: time to generate 512 tokens from a 16-token prompt without a cache / with
-  one, ``GPT(vocab_size=256, d_model=256, num_heads=4, num_layers=4, max_len=1024)`` on the CPU,
-  fp32, batch 1, greedy, on **one thread** (steadiest); ``kv_cache_tokens_identical`` says whether
-  both produced the same tokens. Bar: >= 15 and identical.
-- ``generate_vs_transformers``: our cached greedy :func:`~attnbook.generation.generate` / the
-  ``generate`` (``use_cache=True``, greedy) of transformers' ``GPT2LMHeadModel`` of the same sizes
-  (vocab 256, d 256, 4 heads, 4 layers, 1024 positions; built from a local ``GPT2Config``, nothing
-  downloaded), 512 new tokens from 16, on one CPU thread. Bar: <= 0.6.
-- ``generate_vs_floor``: our cached greedy :func:`~attnbook.generation.generate` / :func:`floor_generate`,
-  a hand-written greedy loop over the same GPT's weights that calls only the kernels (``F.embedding``,
-  ``F.layer_norm``, ``F.linear``, ``F.gelu``, ``F.scaled_dot_product_attention``) and writes keys and
-  values in place into preallocated tensors: no modules, no checks. It is the floor of those kernels on
-  this machine, so the ratio is what our modules, checks and cache cost on top. Same sizes and tokens as
-  ``generate_vs_transformers``, one CPU thread; the two loops' tokens must be equal (else it raises).
-  Bar: <= 1.15.
-- ``train_step_vs_transformers``: forward + backward + AdamW step of our ``GPT`` / that GPT-2, B=8,
-  T=256, dropout 0 in both, cross-entropy of the next token, on one CPU thread. Bar: <= 1.0.
-- ``mha_vs_torch``: our ``MultiHeadAttention`` (``need_weights=False``) / ``nn.MultiheadAttention``
-  (``need_weights=False``, batch-first, same weights), eval, inference mode, B=8, n=512, d=512, h=8.
-  Bar: <= 1.1.
+- ``efficient_attention_vs_torch_4096``: our
+  :func:`~attnbook.attention.memory_efficient_attention` /
+  ``F.scaled_dot_product_attention``, B=1, h=8, n=4096, d/h=64, fp32. Bar: <= 2.5.
+- ``efficient_causal_attention_vs_torch_4096``: the same with ``is_causal=True`` on
+  both. Bar: <= 3.0.
+- ``efficient_attention_peak_memory_8192``: peak memory of
+  ``memory_efficient_attention`` / that of a naive attention that stores exactly one ``n
+  x n`` matrix (scores, turned into weights in place), B=h=1, n=8192, d=64. Bar: <=
+  0.05.
+- ``kv_cache_speedup_512``: time to generate 512 tokens from a 16-token prompt without a
+  cache / with one, ``GPT(vocab_size=256, d_model=256, num_heads=4, num_layers=4,
+  max_len=1024)`` on the CPU, fp32, batch 1, greedy, on **one thread** (steadiest);
+  ``kv_cache_tokens_identical`` says whether both produced the same tokens. Bar: >= 15
+  and identical.
+- ``generate_vs_transformers``: our cached greedy :func:`~attnbook.generation.generate`
+  / the ``generate`` (``use_cache=True``, greedy) of transformers' ``GPT2LMHeadModel``
+  of the same sizes (vocab 256, d 256, 4 heads, 4 layers, 1024 positions; built from a
+  local ``GPT2Config``, nothing downloaded), 512 new tokens from 16, on one CPU thread.
+  Bar: <= 0.6.
+- ``generate_vs_floor``: our cached greedy :func:`~attnbook.generation.generate` /
+  :func:`floor_generate`, a hand-written greedy loop over the same GPT's weights that
+  calls only the kernels (``F.embedding``, ``F.layer_norm``, ``F.linear``, ``F.gelu``,
+  ``F.scaled_dot_product_attention``) and writes keys and values in place into
+  preallocated tensors: no modules, no checks. It is the floor of those kernels on this
+  machine, so the ratio is what our modules, checks and cache cost on top. Same sizes
+  and tokens as ``generate_vs_transformers``, one CPU thread; the two loops' tokens must
+  be equal (else it raises). Bar: <= 1.15.
+- ``train_step_vs_transformers``: forward + backward + AdamW step of our ``GPT`` / that
+  GPT-2, B=8, T=256, dropout 0 in both, cross-entropy of the next token, on one CPU
+  thread. Bar: <= 1.0.
+- ``mha_vs_torch``: our ``MultiHeadAttention`` (``need_weights=False``) /
+  ``nn.MultiheadAttention`` (``need_weights=False``, batch-first, same weights), eval,
+  inference mode, B=8, n=512, d=512, h=8. Bar: <= 1.1.
 
-``--quick`` uses smaller sizes and fewer repetitions; every name then carries the size it was
-measured at (e.g. ``kv_cache_speedup_128``), and the bar of the full figure is shown beside it.
-``--check`` exits with status 1 when a bar is missed. ``--only GROUP[,GROUP]`` measures only some figures
-(groups: ``attention``, ``memory``, ``kv_cache``, ``generation`` (both ``generate_vs_*``), ``training``,
-``mha``). ``--threads N`` sets PyTorch's CPU threads for
-the attention figures; the generation and training figures always run on one CPU thread (steadiest:
-a thread pool on a busy machine can stall for milliseconds on each of their many small operations).
-Attention, memory and ``mha_vs_torch`` run on :func:`attnbook.device`; generation and training on the CPU.
+``--quick`` uses smaller sizes and fewer repetitions; every name then carries the size
+it was measured at (e.g. ``kv_cache_speedup_128``), and the bar of the full figure is
+shown beside it. ``--check`` exits with status 1 when a bar is missed. ``--only
+GROUP[,GROUP]`` measures only some figures (groups: ``attention``, ``memory``,
+``kv_cache``, ``generation`` (both ``generate_vs_*``), ``training``, ``mha``).
+``--threads N`` sets PyTorch's CPU threads for the attention figures; the generation and
+training figures always run on one CPU thread (steadiest: a thread pool on a busy
+machine can stall for milliseconds on each of their many small operations). Attention,
+memory and ``mha_vs_torch`` run on :func:`attnbook.device`; generation and training on
+the CPU.
 """
 
 from __future__ import annotations
@@ -71,12 +81,14 @@ BARS = {  # figure (without its size): (comparison, bound)
     "train_step_vs_transformers": ("<=", 1.0),
     "mha_vs_torch": ("<=", 1.1),
 }
-GROUPS = ("attention", "memory", "kv_cache", "generation", "training", "mha")  # for --only
+# for --only
+GROUPS = ("attention", "memory", "kv_cache", "generation", "training", "mha")
 GPT_SIZES = dict(vocab_size=256, d_model=256, num_heads=4, num_layers=4, max_len=1024)
 
 
 def cpu_model() -> str:
-    """The CPU's model name (from ``/proc/cpuinfo`` on Linux), else what ``platform`` says."""
+    """The CPU's model name (from ``/proc/cpuinfo`` on Linux), else what ``platform``
+    says."""
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
@@ -89,34 +101,56 @@ def cpu_model() -> str:
 
 def _qkv(n: int, heads: int, head_dim: int, device, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, heads, n, head_dim, generator=generator).to(device) for _ in range(3)]
+    return [
+        torch.randn(1, heads, n, head_dim, generator=generator).to(device)
+        for _ in range(3)
+    ]
 
 
-def efficient_attention_vs_torch(device, repeats: int, n: int = 4096, heads: int = 8, head_dim: int = 64,
-                                 is_causal: bool = False) -> tuple[float, bool]:
-    """Our memory-efficient attention / ``F.scaled_dot_product_attention``; and whether they agree."""
+def efficient_attention_vs_torch(
+    device,
+    repeats: int,
+    n: int = 4096,
+    heads: int = 8,
+    head_dim: int = 64,
+    is_causal: bool = False,
+) -> tuple[float, bool]:
+    """Our memory-efficient attention / ``F.scaled_dot_product_attention``; and whether
+    they agree."""
     q, k, v = _qkv(n, heads, head_dim, device)
     with torch.inference_mode():
-        match = torch.allclose(memory_efficient_attention(q, k, v, is_causal=is_causal),
-                               F.scaled_dot_product_attention(q, k, v, is_causal=is_causal), atol=1e-4, rtol=1e-4)
+        match = torch.allclose(
+            memory_efficient_attention(q, k, v, is_causal=is_causal),
+            F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+            atol=1e-4,
+            rtol=1e-4,
+        )
         ours, theirs = measure_interleaved(
-            [lambda: memory_efficient_attention(q, k, v, is_causal=is_causal),
-             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)],
-            repeats=repeats, warmup=1,
+            [
+                lambda: memory_efficient_attention(q, k, v, is_causal=is_causal),
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+            ],
+            repeats=repeats,
+            warmup=1,
         )
     return ours / theirs, match
 
 
 def naive_attention(q, k, v):
-    """Attention that stores exactly one ``n x n`` matrix: the scores, turned into the weights in place."""
-    weights = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)  # (..., n, n): the one matrix
+    """Attention that stores exactly one ``n x n`` matrix: the scores, turned into the
+    weights in place."""
+    # (..., n, n): the one matrix
+    weights = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
     weights.sub_(weights.amax(dim=-1, keepdim=True)).exp_()
     weights.div_(weights.sum(dim=-1, keepdim=True))
     return weights @ v  # (..., n, dv)
 
 
-def efficient_attention_peak_memory(device, n: int = 8192, head_dim: int = 64) -> tuple[float, int, int]:
-    """Peak memory of memory-efficient / naive one-matrix attention (B = h = 1); also both peaks in bytes."""
+def efficient_attention_peak_memory(
+    device, n: int = 8192, head_dim: int = 64
+) -> tuple[float, int, int]:
+    """Peak memory of memory-efficient / naive one-matrix attention (B = h = 1); also
+    both peaks in bytes."""
     q, k, v = _qkv(n, 1, head_dim, device)
     with torch.inference_mode():
         naive = peak_memory(lambda: naive_attention(q, k, v), device)
@@ -124,28 +158,49 @@ def efficient_attention_peak_memory(device, n: int = 8192, head_dim: int = 64) -
     return efficient / naive, efficient, naive
 
 
-def mha_vs_torch(device, repeats: int, batch=8, n=512, d_model=512, heads=8) -> tuple[float, bool]:
-    """Our ``MultiHeadAttention`` / ``nn.MultiheadAttention``, both without weights; and whether outputs match."""
+def mha_vs_torch(
+    device, repeats: int, batch=8, n=512, d_model=512, heads=8
+) -> tuple[float, bool]:
+    """Our ``MultiHeadAttention`` / ``nn.MultiheadAttention``, both without weights; and
+    whether outputs match."""
     torch.manual_seed(0)
-    reference = nn.MultiheadAttention(d_model, heads, batch_first=True).to(device).eval()
-    ours = MultiHeadAttention(d_model, heads).to(device).eval().load_from_torch(reference)
+    reference = (
+        nn.MultiheadAttention(d_model, heads, batch_first=True).to(device).eval()
+    )
+    ours = (
+        MultiHeadAttention(d_model, heads).to(device).eval().load_from_torch(reference)
+    )
     x = torch.randn(batch, n, d_model, device=device)
     with torch.inference_mode():
-        match = torch.allclose(ours(x, x, x, need_weights=False)[0], reference(x, x, x, need_weights=False)[0],
-                               atol=1e-4, rtol=1e-4)
+        match = torch.allclose(
+            ours(x, x, x, need_weights=False)[0],
+            reference(x, x, x, need_weights=False)[0],
+            atol=1e-4,
+            rtol=1e-4,
+        )
         ours_time, torch_time = measure_interleaved(
-            [lambda: ours(x, x, x, need_weights=False), lambda: reference(x, x, x, need_weights=False)],
-            repeats=repeats, warmup=2,
+            [
+                lambda: ours(x, x, x, need_weights=False),
+                lambda: reference(x, x, x, need_weights=False),
+            ],
+            repeats=repeats,
+            warmup=2,
         )
     return ours_time / torch_time, match
 
 
 def _prompt(prompt_len: int = 16) -> torch.Tensor:
-    return torch.randint(0, GPT_SIZES["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    return torch.randint(
+        0,
+        GPT_SIZES["vocab_size"],
+        (1, prompt_len),
+        generator=torch.Generator().manual_seed(1),
+    )
 
 
 def kv_cache_speedup(new_tokens: int, repeats: int) -> tuple[float, bool]:
-    """Uncached / cached time to generate ``new_tokens`` on one CPU thread; and whether the tokens are identical."""
+    """Uncached / cached time to generate ``new_tokens`` on one CPU thread; and whether
+    the tokens are identical."""
     torch.manual_seed(0)
     model = GPT(**GPT_SIZES).eval()
     prompt = _prompt()
@@ -155,12 +210,15 @@ def kv_cache_speedup(new_tokens: int, repeats: int) -> tuple[float, bool]:
         outputs[use_cache] = generate(model, prompt, new_tokens, use_cache=use_cache)
 
     with num_threads(1):
-        uncached, cached = measure_interleaved([lambda: run(False), lambda: run(True)], repeats=repeats, warmup=1)
+        uncached, cached = measure_interleaved(
+            [lambda: run(False), lambda: run(True)], repeats=repeats, warmup=1
+        )
     return uncached / cached, torch.equal(outputs[True], outputs[False])
 
 
 def transformers_gpt2():
-    """transformers' ``GPT2LMHeadModel`` with our GPT's sizes (exact GELU as ours, no dropout), built locally."""
+    """transformers' ``GPT2LMHeadModel`` with our GPT's sizes (exact GELU as ours, no
+    dropout), built locally."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -168,17 +226,27 @@ def transformers_gpt2():
         from transformers.utils import logging
 
         logging.set_verbosity_error()
-        config = GPT2Config(vocab_size=GPT_SIZES["vocab_size"], n_embd=GPT_SIZES["d_model"],
-                            n_head=GPT_SIZES["num_heads"], n_layer=GPT_SIZES["num_layers"],
-                            n_positions=GPT_SIZES["max_len"], activation_function="gelu", resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-                            pad_token_id=0)
+        config = GPT2Config(
+            vocab_size=GPT_SIZES["vocab_size"],
+            n_embd=GPT_SIZES["d_model"],
+            n_head=GPT_SIZES["num_heads"],
+            n_layer=GPT_SIZES["num_layers"],
+            n_positions=GPT_SIZES["max_len"],
+            activation_function="gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         torch.manual_seed(0)
         return GPT2LMHeadModel(config)
 
 
 def generate_vs_transformers(new_tokens: int, repeats: int) -> float:
-    """Our cached greedy ``generate`` / ``GPT2LMHeadModel.generate`` (use_cache, greedy), both on the CPU."""
+    """Our cached greedy ``generate`` / ``GPT2LMHeadModel.generate`` (use_cache,
+    greedy), both on the CPU."""
     torch.manual_seed(0)
     ours = GPT(**GPT_SIZES).eval()
     theirs = transformers_gpt2().eval()
@@ -188,84 +256,176 @@ def generate_vs_transformers(new_tokens: int, repeats: int) -> float:
     def run_theirs():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = theirs.generate(prompt, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, use_cache=True, num_beams=1,
-                                  pad_token_id=0)
+            out = theirs.generate(
+                prompt,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                use_cache=True,
+                num_beams=1,
+                pad_token_id=0,
+            )
         if out.shape[1] != prompt.shape[1] + new_tokens:
-            raise RuntimeError(f"GPT2LMHeadModel.generate stopped after {out.shape[1] - prompt.shape[1]} tokens")
+            raise RuntimeError(
+                "GPT2LMHeadModel.generate stopped after "
+                f"{out.shape[1] - prompt.shape[1]} tokens"
+            )
 
     with num_threads(1):
         ours_time, theirs_time = measure_interleaved(
-            [lambda: generate(ours, prompt, new_tokens), run_theirs], repeats=repeats, warmup=1)
+            [lambda: generate(ours, prompt, new_tokens), run_theirs],
+            repeats=repeats,
+            warmup=1,
+        )
     return ours_time / theirs_time
 
 
 def _floor_layers(gpt: GPT) -> list[tuple[torch.Tensor | float, ...]]:
-    """Each block's weights, in the order the floor loop uses them (raises for a layout it does not know)."""
+    """Each block's weights, in the order the floor loop uses them (raises for a layout
+    it does not know)."""
     layers = []
     for i, block in enumerate(gpt.blocks):
         attention, feed_forward = block.self_attention, block.feed_forward
-        if getattr(block, "norm_position", None) != "pre" or not isinstance(feed_forward.activation, nn.GELU):
-            raise ValueError(f"floor_generate knows the pre-norm GELU GPT only; block {i} has "
-                             f"norm={getattr(block, 'norm_position', None)!r}, activation {feed_forward.activation!r}")
-        if type(attention) is not MultiHeadAttention:  # a subclass may change queries and keys (RoPE)
-            raise ValueError(f"floor_generate knows plain MultiHeadAttention only; block {i} has "
-                             f"{type(attention).__name__}")
-        layers.append((block.norm1.weight, block.norm1.bias, block.norm1.eps,
-                       attention.q_proj.weight, attention.q_proj.bias, attention.k_proj.weight, attention.k_proj.bias,
-                       attention.v_proj.weight, attention.v_proj.bias, attention.out_proj.weight,
-                       attention.out_proj.bias, block.norm2.weight, block.norm2.bias, block.norm2.eps,
-                       feed_forward.fc1.weight, feed_forward.fc1.bias, feed_forward.activation.approximate,
-                       feed_forward.fc2.weight, feed_forward.fc2.bias))
+        if getattr(block, "norm_position", None) != "pre" or not isinstance(
+            feed_forward.activation, nn.GELU
+        ):
+            raise ValueError(
+                f"floor_generate knows the pre-norm GELU GPT only; block {i} has "
+                f"norm={getattr(block, 'norm_position', None)!r}, "
+                f"activation {feed_forward.activation!r}"
+            )
+        # a subclass may change queries and keys (RoPE)
+        if type(attention) is not MultiHeadAttention:
+            raise ValueError(
+                f"floor_generate knows plain MultiHeadAttention only; block {i} has "
+                f"{type(attention).__name__}"
+            )
+        layers.append(
+            (
+                block.norm1.weight,
+                block.norm1.bias,
+                block.norm1.eps,
+                attention.q_proj.weight,
+                attention.q_proj.bias,
+                attention.k_proj.weight,
+                attention.k_proj.bias,
+                attention.v_proj.weight,
+                attention.v_proj.bias,
+                attention.out_proj.weight,
+                attention.out_proj.bias,
+                block.norm2.weight,
+                block.norm2.bias,
+                block.norm2.eps,
+                feed_forward.fc1.weight,
+                feed_forward.fc1.bias,
+                feed_forward.activation.approximate,
+                feed_forward.fc2.weight,
+                feed_forward.fc2.bias,
+            )
+        )
     return layers
 
 
 @torch.no_grad()
 def floor_generate(gpt: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy generation with ``gpt``'s weights by the kernels alone: the floor for :func:`generate`.
+    """Greedy generation with ``gpt``'s weights by the kernels alone: the floor for
+    :func:`generate`.
 
-    ``prompt (B, T0)`` -> ``(B, T0 + new_tokens)``, the same tokens as ``generate(gpt, prompt, new_tokens)``
-    for a pre-norm GELU :class:`~attnbook.models.GPT` in eval mode (dropout is not applied). One
-    ``F.*`` call per operation, keys and values written in place into tensors allocated once, no
-    module calls and no checks of the tensors: what is left is the arithmetic. Gradients are off, as
-    in :func:`generate`.
+    ``prompt (B, T0)`` -> ``(B, T0 + new_tokens)``, the same tokens as ``generate(gpt,
+    prompt, new_tokens)`` for a pre-norm GELU :class:`~attnbook.models.GPT` in eval mode
+    (dropout is not applied). One ``F.*`` call per operation, keys and values written in
+    place into tensors allocated once, no module calls and no checks of the tensors:
+    what is left is the arithmetic. Gradients are off, as in :func:`generate`.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt must be (B, T0) with T0 >= 1, got shape {tuple(prompt.shape)}")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(
+            f"prompt must be (B, T0) with T0 >= 1, got shape {tuple(prompt.shape)}"
+        )
+    if (
+        isinstance(new_tokens, bool)
+        or not isinstance(new_tokens, int)
+        or new_tokens < 1
+    ):
         raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
     B, T0 = prompt.shape
     total = T0 + new_tokens
     if total > gpt.max_len:
-        raise ValueError(f"prompt of {T0} tokens + new_tokens={new_tokens} exceeds max_len={gpt.max_len}")
+        raise ValueError(
+            f"prompt of {T0} tokens + new_tokens={new_tokens} exceeds "
+            f"max_len={gpt.max_len}"
+        )
     if not isinstance(gpt.final_norm, nn.LayerNorm):
-        raise ValueError(f"floor_generate knows the pre-norm GPT only (a final LayerNorm), got {gpt.final_norm!r}")
+        raise ValueError(
+            "floor_generate knows the pre-norm GPT only (a final LayerNorm), got "
+            f"{gpt.final_norm!r}"
+        )
     layers = _floor_layers(gpt)
-    embedding, table = gpt.token_embedding.weight, gpt.positions.table  # (vocab, d), (max_len, d)
-    final_weight, final_bias, final_eps = gpt.final_norm.weight, gpt.final_norm.bias, gpt.final_norm.eps
+    # (vocab, d), (max_len, d)
+    embedding, table = gpt.token_embedding.weight, gpt.positions.table
+    final_weight, final_bias, final_eps = (
+        gpt.final_norm.weight,
+        gpt.final_norm.bias,
+        gpt.final_norm.eps,
+    )
     head = gpt.lm_head.weight  # (vocab, d), no bias
     d = embedding.shape[1]
     h = gpt.num_heads
     head_dim = d // h
-    keys = [embedding.new_empty(B, h, total, head_dim) for _ in layers]  # (B, h, total, d/h) each
+    # (B, h, total, d/h) each
+    keys = [embedding.new_empty(B, h, total, head_dim) for _ in layers]
     values = [embedding.new_empty(B, h, total, head_dim) for _ in layers]
 
-    def logits_of(ids: torch.Tensor, start: int) -> torch.Tensor:  # ids (B, T) at positions start.. -> (B, vocab)
+    # ids (B, T) at positions start.. -> (B, vocab)
+    def logits_of(ids: torch.Tensor, start: int) -> torch.Tensor:
         T = ids.shape[1]
         end = start + T
         x = F.embedding(ids, embedding) + table[start:end]  # (B, T, d)
-        for (norm1_w, norm1_b, norm1_eps, wq, bq, wk, bk, wv, bv, wo, bo, norm2_w, norm2_b, norm2_eps,
-             w1, b1, approximate, w2, b2), k, v in zip(layers, keys, values, strict=True):
+        for (
+            norm1_w,
+            norm1_b,
+            norm1_eps,
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            wo,
+            bo,
+            norm2_w,
+            norm2_b,
+            norm2_eps,
+            w1,
+            b1,
+            approximate,
+            w2,
+            b2,
+        ), k, v in zip(layers, keys, values, strict=True):
             y = F.layer_norm(x, (d,), norm1_w, norm1_b, norm1_eps)  # (B, T, d)
-            q = F.linear(y, wq, bq).view(B, T, h, head_dim).transpose(1, 2)  # (B, h, T, d/h)
-            k[:, :, start:end] = F.linear(y, wk, bk).view(B, T, h, head_dim).transpose(1, 2)
-            v[:, :, start:end] = F.linear(y, wv, bv).view(B, T, h, head_dim).transpose(1, 2)
+            # (B, h, T, d/h)
+            q = F.linear(y, wq, bq).view(B, T, h, head_dim).transpose(1, 2)
+            k[:, :, start:end] = (
+                F.linear(y, wk, bk).view(B, T, h, head_dim).transpose(1, 2)
+            )
+            v[:, :, start:end] = (
+                F.linear(y, wv, bv).view(B, T, h, head_dim).transpose(1, 2)
+            )
             # the prompt (start 0) is causal; one new token sees every key so far
-            out = F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], is_causal=T > 1)  # (B, h, T, d/h)
+            # (B, h, T, d/h)
+            out = F.scaled_dot_product_attention(
+                q, k[:, :, :end], v[:, :, :end], is_causal=T > 1
+            )
             x = x + F.linear(out.transpose(1, 2).reshape(B, T, d), wo, bo)  # (B, T, d)
             y = F.layer_norm(x, (d,), norm2_w, norm2_b, norm2_eps)
-            x = x + F.linear(F.gelu(F.linear(y, w1, b1), approximate=approximate), w2, b2)  # (B, T, d)
-        return F.linear(F.layer_norm(x, (d,), final_weight, final_bias, final_eps), head)[:, -1]  # (B, vocab)
+            # (B, T, d)
+            x = x + F.linear(
+                F.gelu(F.linear(y, w1, b1), approximate=approximate), w2, b2
+            )
+        # (B, vocab)
+        return F.linear(
+            F.layer_norm(x, (d,), final_weight, final_bias, final_eps), head
+        )[:, -1]
 
     tokens = prompt.new_empty(B, total)  # (B, T0 + new)
     tokens[:, :T0] = prompt
@@ -278,9 +438,11 @@ def floor_generate(gpt: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Ten
 
 
 def generate_vs_floor(new_tokens: int, repeats: int) -> float:
-    """Our cached greedy ``generate`` / :func:`floor_generate` over the same weights, on one CPU thread.
+    """Our cached greedy ``generate`` / :func:`floor_generate` over the same weights, on
+    one CPU thread.
 
-    Raises ``RuntimeError`` if the two produce different tokens (then the floor computes something else)."""
+    Raises ``RuntimeError`` if the two produce different tokens (then the floor computes
+    something else)."""
     torch.manual_seed(0)
     model = GPT(**GPT_SIZES).eval()
     prompt = _prompt()
@@ -291,21 +453,35 @@ def generate_vs_floor(new_tokens: int, repeats: int) -> float:
 
     with num_threads(1):
         ours_time, floor_time = measure_interleaved(
-            [lambda: run("generate", generate), lambda: run("floor", floor_generate)], repeats=repeats, warmup=1)
+            [lambda: run("generate", generate), lambda: run("floor", floor_generate)],
+            repeats=repeats,
+            warmup=1,
+        )
     ours, floor = outputs["generate"], outputs["floor"]
     if not torch.equal(ours, floor):
         first = int((ours != floor).any(dim=0).nonzero()[0])
-        raise RuntimeError(f"floor_generate's tokens differ from generate's, first at position {first}: "
-                           f"{floor[:, first].tolist()} != {ours[:, first].tolist()}")
+        raise RuntimeError(
+            "floor_generate's tokens differ from generate's, first at position "
+            f"{first}: "
+            f"{floor[:, first].tolist()} != {ours[:, first].tolist()}"
+        )
     return ours_time / floor_time
 
 
-def train_step_vs_transformers(repeats: int, batch: int = 8, length: int = 256) -> float:
-    """One forward + backward + AdamW step of our GPT / of transformers' GPT-2 of the same sizes."""
+def train_step_vs_transformers(
+    repeats: int, batch: int = 8, length: int = 256
+) -> float:
+    """One forward + backward + AdamW step of our GPT / of transformers' GPT-2 of the
+    same sizes."""
     torch.manual_seed(0)
     ours = GPT(**GPT_SIZES).train()
     theirs = transformers_gpt2().train()
-    ids = torch.randint(0, GPT_SIZES["vocab_size"], (batch, length + 1), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0,
+        GPT_SIZES["vocab_size"],
+        (batch, length + 1),
+        generator=torch.Generator().manual_seed(2),
+    )
     x, y = ids[:, :-1], ids[:, 1:]
 
     def stepper(model, logits_of):
@@ -321,8 +497,12 @@ def train_step_vs_transformers(repeats: int, batch: int = 8, length: int = 256) 
 
     with num_threads(1):
         ours_time, theirs_time = measure_interleaved(
-            [stepper(ours, lambda model, x: model(x)), stepper(theirs, lambda model, x: model(x).logits)],
-            repeats=repeats, warmup=1,
+            [
+                stepper(ours, lambda model, x: model(x)),
+                stepper(theirs, lambda model, x: model(x).logits),
+            ],
+            repeats=repeats,
+            warmup=1,
         )
     return ours_time / theirs_time
 
@@ -340,13 +520,31 @@ def _met(kind: str, value: float) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnbook.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (names say the size)")
-    parser.add_argument("--check", action="store_true", help="exit with status 1 when a bar is missed")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for PyTorch (default: its own choice); kv_cache_speedup always uses 1")
-    parser.add_argument("--only", default=",".join(GROUPS), metavar="GROUP[,GROUP]",
-                        help=f"measure only these groups of figures, among {', '.join(GROUPS)} (default: all)")
+    parser = argparse.ArgumentParser(
+        prog="python -m attnbook.bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes and fewer repetitions (names say the size)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit with status 1 when a bar is missed"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for PyTorch (default: its own choice); "
+        "kv_cache_speedup always uses 1",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(GROUPS),
+        metavar="GROUP[,GROUP]",
+        help="measure only these groups of figures, "
+        f"among {', '.join(GROUPS)} (default: all)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -355,15 +553,21 @@ def main(argv=None) -> int:
     only = [group.strip() for group in args.only.split(",") if group.strip()]
     unknown = [group for group in only if group not in GROUPS]
     if unknown or not only:
-        parser.error(f"--only takes groups among {', '.join(GROUPS)}, got {args.only!r}")
+        parser.error(
+            f"--only takes groups among {', '.join(GROUPS)}, got {args.only!r}"
+        )
     device = default_device()
     if args.quick:
         n_attention, n_memory, new_tokens, repeats, slow_repeats = 1024, 2048, 128, 3, 1
     else:
         n_attention, n_memory, new_tokens, repeats, slow_repeats = 4096, 8192, 512, 5, 3
-    print(f"machine: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"device {device.type}")
-    print(f"mode: {'quick' if args.quick else 'full'}{'' if len(only) == len(GROUPS) else ', only ' + ','.join(only)}")
+    print(
+        f"machine: {cpu_model()}, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}, "
+        f"device {device.type}"
+    )
+    groups = "" if len(only) == len(GROUPS) else ", only " + ",".join(only)
+    print(f"mode: {'quick' if args.quick else 'full'}{groups}")
     print(f"load_average_start: {_load()}", flush=True)
 
     results: list[tuple[str, str, float]] = []  # (name, kind, value)
@@ -377,14 +581,22 @@ def main(argv=None) -> int:
         results.append((name, kind, value))
         if not met:
             missed.append(name)
-        print(f"{name}: {value:.{digits}f} (bar {op} {bound}: {'met' if met else 'MISSED'})", flush=True)
+        print(
+            f"{name}: {value:.{digits}f} (bar {op} {bound}: "
+            f"{'met' if met else 'MISSED'})",
+            flush=True,
+        )
 
     if "attention" in only:
         ratio, match = efficient_attention_vs_torch(device, repeats, n_attention)
         report("efficient_attention_vs_torch", n_attention, ratio)
-        ratio, causal_match = efficient_attention_vs_torch(device, repeats, n_attention, is_causal=True)
+        ratio, causal_match = efficient_attention_vs_torch(
+            device, repeats, n_attention, is_causal=True
+        )
         report("efficient_causal_attention_vs_torch", n_attention, ratio)
-        print(f"efficient_attention_outputs_match: {match and causal_match}", flush=True)
+        print(
+            f"efficient_attention_outputs_match: {match and causal_match}", flush=True
+        )
         outputs_match = outputs_match and match and causal_match
     if "memory" in only:
         ratio, efficient, naive = efficient_attention_peak_memory(device, n_memory)
@@ -397,8 +609,14 @@ def main(argv=None) -> int:
         if not identical:
             missed.append("kv_cache_tokens_identical")
     if "generation" in only:
-        report("generate_vs_transformers", new_tokens, generate_vs_transformers(new_tokens, slow_repeats))
-        report("generate_vs_floor", new_tokens, generate_vs_floor(new_tokens, slow_repeats))
+        report(
+            "generate_vs_transformers",
+            new_tokens,
+            generate_vs_transformers(new_tokens, slow_repeats),
+        )
+        report(
+            "generate_vs_floor", new_tokens, generate_vs_floor(new_tokens, slow_repeats)
+        )
     if "training" in only:
         report("train_step_vs_transformers", None, train_step_vs_transformers(repeats))
     if "mha" in only:

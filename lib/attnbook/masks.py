@@ -1,8 +1,9 @@
 """Attention masks: every mask helper of the library lives here.
 
-Convention everywhere in ``attnbook``: a boolean mask is ``True`` where attention is **blocked**
-(as ``nn.MultiheadAttention``'s ``attn_mask``). ``F.scaled_dot_product_attention`` uses the
-opposite meaning (``True`` = keep); chapter 2 shows the difference.
+Convention everywhere in ``attnbook``: a boolean mask is ``True`` where attention is
+**blocked** (as ``nn.MultiheadAttention``'s ``attn_mask``).
+``F.scaled_dot_product_attention`` uses the opposite meaning (``True`` = keep); chapter
+2 shows the difference.
 """
 
 from __future__ import annotations
@@ -13,48 +14,68 @@ from .utils import check_non_negative_int, check_positive_int
 
 
 def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Tensor:
-    """``(n, n)`` bool mask, ``True`` above the diagonal: token ``i`` may not see tokens ``j > i``.
+    """``(n, n)`` bool mask, ``True`` above the diagonal: token ``i`` may not see tokens
+    ``j > i``.
 
-    It leaves ``n (n + 1) / 2`` entries allowed. With ``key_len`` it is ``(n, key_len)`` and aligned to
-    the bottom right, as with a KV cache: the ``n`` queries are the last ``n`` tokens of a sequence whose
-    last ``key_len`` tokens are the keys, so query ``i`` sees keys ``0 .. key_len - n + i`` (none at all
-    for the first ``n - key_len`` queries when ``key_len < n``). This is what ``is_causal=True`` means
-    everywhere in the library (``F.scaled_dot_product_attention`` aligns it to the top left).
+    It leaves ``n (n + 1) / 2`` entries allowed. With ``key_len`` it is ``(n, key_len)``
+    and aligned to the bottom right, as with a KV cache: the ``n`` queries are the last
+    ``n`` tokens of a sequence whose last ``key_len`` tokens are the keys, so query
+    ``i`` sees keys ``0 .. key_len - n + i`` (none at all for the first ``n - key_len``
+    queries when ``key_len < n``). This is what ``is_causal=True`` means everywhere in
+    the library (``F.scaled_dot_product_attention`` aligns it to the top left).
     """
     n = check_positive_int("n", n)
     key_len = n if key_len is None else check_positive_int("key_len", key_len)
-    return torch.ones(n, key_len, dtype=torch.bool, device=device).triu(diagonal=key_len - n + 1)
+    return torch.ones(n, key_len, dtype=torch.bool, device=device).triu(
+        diagonal=key_len - n + 1
+    )
 
 
-def sliding_window_mask(query_len: int, key_len: int | None = None, window: int | None = None, *,
-                        device=None) -> torch.Tensor:
-    """``(query_len, key_len)`` bool mask for local (sliding-window) causal attention, ``True`` = blocked:
-    each query sees itself and the ``window - 1`` keys before it, nothing earlier and nothing later.
+def sliding_window_mask(
+    query_len: int,
+    key_len: int | None = None,
+    window: int | None = None,
+    *,
+    device=None,
+) -> torch.Tensor:
+    """``(query_len, key_len)`` bool mask for local (sliding-window) causal attention,
+    ``True`` = blocked: each query sees itself and the ``window - 1`` keys before it,
+    nothing earlier and nothing later.
 
-    Aligned to the bottom right as :func:`causal_mask` (query ``t`` is token ``key_len - query_len + t``),
-    so it also serves queries arriving after a cache; ``key_len`` defaults to ``query_len``. With
-    ``window >= key_len`` it equals ``causal_mask(query_len, key_len=key_len)``.
+    Aligned to the bottom right as :func:`causal_mask` (query ``t`` is token ``key_len -
+    query_len + t``), so it also serves queries arriving after a cache; ``key_len``
+    defaults to ``query_len``. With ``window >= key_len`` it equals
+    ``causal_mask(query_len, key_len=key_len)``.
     """
     query_len = check_positive_int("query_len", query_len)
     key_len = query_len if key_len is None else check_positive_int("key_len", key_len)
     if window is None:
-        raise ValueError("sliding_window_mask needs window, the number of keys each query sees (>= 1)")
+        raise ValueError(
+            "sliding_window_mask needs window, the number of keys each query sees (>= "
+            "1)"
+        )
     window = check_positive_int("window", window)
-    query_pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]  # (Tq, 1)
+    # (Tq, 1)
+    query_pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]
     key_pos = torch.arange(key_len, device=device)[None, :]  # (1, Tk)
-    return (key_pos > query_pos) | (key_pos <= query_pos - window)  # (Tq, Tk): future, or too far back
+    # (Tq, Tk): future, or too far back
+    return (key_pos > query_pos) | (key_pos <= query_pos - window)
 
 
 def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
-    """``(B, max_len)`` bool mask, ``True`` at padding positions (position ``>= lengths[b]``).
+    """``(B, max_len)`` bool mask, ``True`` at padding positions (position ``>=
+    lengths[b]``).
 
-    ``lengths`` is a sequence or 1-D tensor of ``B`` ints; ``max_len`` defaults to ``max(lengths)``.
-    To mask keys in scores of shape ``(B, Tq, Tk)`` use ``mask[:, None, :]``;
-    for per-head scores ``(B, h, Tq, Tk)`` use ``mask[:, None, None, :]``.
+    ``lengths`` is a sequence or 1-D tensor of ``B`` ints; ``max_len`` defaults to
+    ``max(lengths)``. To mask keys in scores of shape ``(B, Tq, Tk)`` use ``mask[:,
+    None, :]``; for per-head scores ``(B, h, Tq, Tk)`` use ``mask[:, None, None, :]``.
     """
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.numel() == 0:
-        raise ValueError(f"lengths must be a non-empty 1-D sequence of ints, got shape {tuple(lengths.shape)}")
+        raise ValueError(
+            "lengths must be a non-empty 1-D sequence of ints, got shape "
+            f"{tuple(lengths.shape)}"
+        )
     if lengths.is_floating_point() or lengths.dtype == torch.bool:
         raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
     if (lengths < 0).any():
@@ -65,7 +86,9 @@ def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
     if max_len is None:
         max_len = longest
     if max_len < longest:
-        raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
+        raise ValueError(
+            f"max_len={max_len} is shorter than the longest sequence ({longest})"
+        )
     positions = torch.arange(max_len, device=lengths.device)
     return positions[None, :] >= lengths[:, None]
 
@@ -80,45 +103,83 @@ def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
         if mask is None:
             continue
         if mask.dtype != torch.bool:
-            raise TypeError(f"combine_masks takes bool masks (True = blocked), got dtype {mask.dtype}")
+            raise TypeError(
+                "combine_masks takes bool masks (True = blocked), got dtype "
+                f"{mask.dtype}"
+            )
         result = mask if result is None else result | mask
     return result
 
 
-def attention_mask_for_heads(mask, key_padding_mask, batch_size: int, query_len: int, key_len: int):
-    """Turn a ``(Tq, Tk)``, ``(B, Tq, Tk)`` or ``(B, h, Tq, Tk)`` mask plus a ``(B, Tk)`` key padding mask
-    into one mask that broadcasts to per-head scores ``(B, h, Tq, Tk)`` (``None`` if both are ``None``).
+def attention_mask_for_heads(
+    mask, key_padding_mask, batch_size: int, query_len: int, key_len: int
+):
+    """Turn a ``(Tq, Tk)``, ``(B, Tq, Tk)`` or ``(B, h, Tq, Tk)`` mask plus a ``(B,
+    Tk)`` key padding mask into one mask that broadcasts to per-head scores ``(B, h, Tq,
+    Tk)`` (``None`` if both are ``None``).
 
-    Padding travels only as ``key_padding_mask``: a 2-D ``mask`` is ``(Tq, Tk)`` (either may be 1 to
-    broadcast), so a ``(B, Tk)`` padding mask passed as ``mask`` raises unless ``B`` happens to equal ``Tq``
-    (then no shape can tell the two apart). A float ``mask`` gets ``-inf`` at the padded keys; a bool one
-    is OR-ed with them (:func:`combine_masks`).
+    Padding travels only as ``key_padding_mask``: a 2-D ``mask`` is ``(Tq, Tk)`` (either
+    may be 1 to broadcast), so a ``(B, Tk)`` padding mask passed as ``mask`` raises
+    unless ``B`` happens to equal ``Tq`` (then no shape can tell the two apart). A float
+    ``mask`` gets ``-inf`` at the padded keys; a bool one is OR-ed with them
+    (:func:`combine_masks`).
     """
     if mask is not None and not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask is not None and mask.dim() == 2 and (mask.shape[0] not in (1, query_len)
-                                                 or mask.shape[1] not in (1, key_len)):
-        raise ValueError(f"a 2-D mask is (Tq, Tk) = ({query_len}, {key_len}), got {tuple(mask.shape)}; "
-                         "a (B, Tk) padding mask goes in key_padding_mask")
+        raise TypeError(
+            f"mask must be a torch.Tensor or None, got {type(mask).__name__}"
+        )
+    if (
+        mask is not None
+        and mask.dim() == 2
+        and (mask.shape[0] not in (1, query_len) or mask.shape[1] not in (1, key_len))
+    ):
+        raise ValueError(
+            f"a 2-D mask is (Tq, Tk) = ({query_len}, {key_len}), got "
+            f"{tuple(mask.shape)}; "
+            "a (B, Tk) padding mask goes in key_padding_mask"
+        )
     if mask is not None and mask.dim() == 3:
         if mask.shape[0] not in (1, batch_size):
-            raise ValueError(f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got {tuple(mask.shape)}")
+            raise ValueError(
+                f"a 3-D mask must be (B, Tq, Tk) with B={batch_size}, got "
+                f"{tuple(mask.shape)}"
+            )
         mask = mask.unsqueeze(1)  # (B, 1, Tq, Tk): the same for every head
     if key_padding_mask is None:
         return mask
     if not isinstance(key_padding_mask, torch.Tensor):
-        raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch_size:
+        raise TypeError(
+            "key_padding_mask must be a torch.Tensor or None, got "
+            f"{type(key_padding_mask).__name__}"
+        )
+    if (
+        key_padding_mask.dtype != torch.bool
+        or key_padding_mask.dim() != 2
+        or key_padding_mask.shape[0] != batch_size
+    ):
         raise ValueError(
-            f"key_padding_mask must be a bool (B={batch_size}, Tk) tensor, True at padding; "
+            f"key_padding_mask must be a bool (B={batch_size}, Tk) tensor, True at "
+            "padding; "
             f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
         )
-    if mask is not None and mask.dim() >= 1 and mask.shape[-1] not in (1, key_padding_mask.shape[1]):
-        raise ValueError(f"mask {tuple(mask.shape)} has Tk={mask.shape[-1]} keys but key_padding_mask "
-                         f"{tuple(key_padding_mask.shape)} has Tk={key_padding_mask.shape[1]}")
+    if (
+        mask is not None
+        and mask.dim() >= 1
+        and mask.shape[-1] not in (1, key_padding_mask.shape[1])
+    ):
+        raise ValueError(
+            f"mask {tuple(mask.shape)} has Tk={mask.shape[-1]} keys but "
+            "key_padding_mask "
+            f"{tuple(key_padding_mask.shape)} has "
+            f"Tk={key_padding_mask.shape[1]}"
+        )
     if mask is not None and mask.dim() >= 4 and mask.shape[-4] not in (1, batch_size):
-        raise ValueError(f"mask {tuple(mask.shape)} has batch size {mask.shape[-4]} but key_padding_mask "
-                         f"{tuple(key_padding_mask.shape)} has B={batch_size} (the mask's must be {batch_size} or 1)")
+        raise ValueError(
+            f"mask {tuple(mask.shape)} has batch size {mask.shape[-4]} but "
+            "key_padding_mask "
+            f"{tuple(key_padding_mask.shape)} has B={batch_size} (the "
+            f"mask's must be {batch_size} or 1)"
+        )
     padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, Tk)
     if mask is None or mask.dtype == torch.bool:
         return combine_masks(mask, padding)

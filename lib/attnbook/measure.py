@@ -1,10 +1,12 @@
-"""Measuring: timing (interleaved, median or fastest, wall clock or one thread's CPU time) and peak memory.
+"""Measuring: timing (interleaved, median or fastest, wall clock or one thread's CPU
+time) and peak memory.
 
-:func:`measure` / :func:`measure_interleaved` time functions, :func:`fit_power_law` fits ``t = c x^a``
-on log-log axes, :func:`num_threads` fixes PyTorch's CPU threads for a block, :func:`synchronize`
-waits for queued GPU work, and :func:`peak_memory` measures the peak memory a function allocates
-(CUDA's allocator, or a :class:`TensorMemoryTracker` elsewhere). The chapters and
-``python -m attnbook.bench`` use them; :mod:`attnbook.cost` holds the formulas they are compared with.
+:func:`measure` / :func:`measure_interleaved` time functions, :func:`fit_power_law` fits
+``t = c x^a`` on log-log axes, :func:`num_threads` fixes PyTorch's CPU threads for a
+block, :func:`synchronize` waits for queued GPU work, and :func:`peak_memory` measures
+the peak memory a function allocates (CUDA's allocator, or a
+:class:`TensorMemoryTracker` elsewhere). The chapters and ``python -m attnbook.bench``
+use them; :mod:`attnbook.cost` holds the formulas they are compared with.
 """
 
 from __future__ import annotations
@@ -26,20 +28,31 @@ from .utils import check_non_negative_int, check_positive_int
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
-    """Wait for queued GPU work (CUDA or MPS) so a timer measures it; nothing to do on the CPU."""
+    """Wait for queued GPU work (CUDA or MPS) so a timer measures it; nothing to do on
+    the CPU."""
     kind = torch.device(device).type if device is not None else None
-    if kind in (None, "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if (
+        kind in (None, "cuda")
+        and torch.cuda.is_available()
+        and torch.cuda.is_initialized()
+    ):
         torch.cuda.synchronize()
-    if kind in (None, "mps") and getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if (
+        kind in (None, "mps")
+        and getattr(torch.backends, "mps", None) is not None
+        and torch.backends.mps.is_available()
+    ):
         torch.mps.synchronize()
 
 
 @contextmanager
 def num_threads(threads: int) -> Iterator[None]:
-    """Run the ``with`` body with ``torch.set_num_threads(threads)``, then restore the previous number.
+    """Run the ``with`` body with ``torch.set_num_threads(threads)``, then restore the
+    previous number.
 
-    Timing on one CPU thread measures the arithmetic rather than how well a thread pool splits
-    small problems, and is far steadier on a machine other programs are also using."""
+    Timing on one CPU thread measures the arithmetic rather than how well a thread pool
+    splits small problems, and is far steadier on a machine other programs are also
+    using."""
     threads = check_positive_int("threads", threads)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -50,33 +63,49 @@ def num_threads(threads: int) -> Iterator[None]:
 
 
 def _check_repeats(repeats: int, warmup: int) -> tuple[int, int]:
-    return check_positive_int("repeats", repeats), check_non_negative_int("warmup", warmup)
+    return check_positive_int("repeats", repeats), check_non_negative_int(
+        "warmup", warmup
+    )
 
 
 SUMMARIES = {"median": statistics.median, "min": min}
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
-def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, summary: str = "median",
-            clock: str = "wall") -> float:
+def measure(
+    fn: Callable[[], object],
+    repeats: int = 5,
+    warmup: int = 1,
+    summary: str = "median",
+    clock: str = "wall",
+) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after ``warmup`` untimed runs.
 
     See :func:`measure_interleaved` for ``summary`` and ``clock``."""
     return measure_interleaved([fn], repeats, warmup, summary, clock)[0]
 
 
-def measure_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 5, warmup: int = 1,
-                        summary: str = "median", clock: str = "wall") -> list[float]:
-    """Seconds per call of each function in ``fns``, timed in turn ``A, B, A, B, ...``; one number each.
+def measure_interleaved(
+    fns: Sequence[Callable[[], object]],
+    repeats: int = 5,
+    warmup: int = 1,
+    summary: str = "median",
+    clock: str = "wall",
+) -> list[float]:
+    """Seconds per call of each function in ``fns``, timed in turn ``A, B, A, B, ...``;
+    one number each.
 
-    Interleaving spreads slow and fast moments of a busy machine over all the functions, so a
-    ratio of two medians is steadier than timing ``A`` many times and then ``B`` many times.
+    Interleaving spreads slow and fast moments of a busy machine over all the functions,
+    so a ratio of two medians is steadier than timing ``A`` many times and then ``B``
+    many times.
 
-    - ``summary="median"`` (default) or ``"min"``: the fastest run, since other programs only add time.
-    - ``clock="wall"`` (default): ``time.perf_counter``, with the GPU synchronized before and after
-      each run. ``clock="thread"``: ``time.thread_time``, the CPU time of this thread only, which
-      leaves out the time other programs ran; it is right only for CPU work on one thread, so it
-      requires ``torch.get_num_threads() == 1`` (see :func:`num_threads`).
+    - ``summary="median"`` (default) or ``"min"``: the fastest run, since other programs
+      only add time.
+    - ``clock="wall"`` (default): ``time.perf_counter``, with the GPU synchronized
+      before and after each run. ``clock="thread"``: ``time.thread_time``, the CPU time
+      of this thread only, which leaves out the time other programs ran; it is right
+      only for CPU work on one thread, so it requires ``torch.get_num_threads() == 1``
+      (see :func:`num_threads`).
     """
     if callable(fns) or not len(fns) or not all(callable(fn) for fn in fns):
         raise TypeError(f"fns must be a non-empty sequence of callables, got {fns!r}")
@@ -87,7 +116,8 @@ def measure_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 5, w
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     if clock == "thread" and torch.get_num_threads() != 1:
         raise ValueError(
-            f"clock='thread' counts only this thread's CPU time; PyTorch uses {torch.get_num_threads()} threads "
+            "clock='thread' counts only this thread's CPU time; PyTorch uses "
+            f"{torch.get_num_threads()} threads "
             "(wrap the timing in measure.num_threads(1))"
         )
     now = CLOCKS[clock]
@@ -106,30 +136,39 @@ def measure_interleaved(fns: Sequence[Callable[[], object]], repeats: int = 5, w
 
 
 def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """The exponent ``a`` of the least-squares fit ``y = c x^a``: the slope of ``log y`` against ``log x``."""
+    """The exponent ``a`` of the least-squares fit ``y = c x^a``: the slope of ``log y``
+    against ``log x``."""
     x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
     if x.ndim != 1 or x.shape != y.shape or len(x) < 2:
-        raise ValueError(f"xs and ys must be 1-D of the same length >= 2, got shapes {x.shape} and {y.shape}")
+        raise ValueError(
+            f"xs and ys must be 1-D of the same length >= 2, got shapes {x.shape} and "
+            f"{y.shape}"
+        )
     if (x <= 0).any() or (y <= 0).any():
-        raise ValueError("xs and ys must be positive to fit a power law on a log-log scale")
+        raise ValueError(
+            "xs and ys must be positive to fit a power law on a log-log scale"
+        )
     if np.ptp(np.log(x)) == 0:
         raise ValueError("xs must not all be equal")
     slope, _ = np.polyfit(np.log(x), np.log(y), 1)
     return float(slope)
 
 
-# --------------------------------------------------------------------------- peak memory
+# --------------------------------------------------------------------------- peak
+# memory
 
 
 class TensorMemoryTracker(TorchDispatchMode):
-    """Counts the bytes of every tensor storage created while it is active, and the peak of their sum.
+    """Counts the bytes of every tensor storage created while it is active, and the peak
+    of their sum.
 
-    Every PyTorch operation passes through :meth:`__torch_dispatch__`; a new output storage (not
-    one of the operation's inputs, so views and in-place results are not counted twice) adds its
-    bytes; a storage that has since been freed (its weak reference expired) subtracts them. The
-    peak is the largest total seen after any operation. Tensors that existed before the tracker
-    started are not counted: ``peak`` is the *extra* memory the code allocated. Workspace an
-    operation frees before it returns is not seen.
+    Every PyTorch operation passes through :meth:`__torch_dispatch__`; a new output
+    storage (not one of the operation's inputs, so views and in-place results are not
+    counted twice) adds its bytes; a storage that has since been freed (its weak
+    reference expired) subtracts them. The peak is the largest total seen after any
+    operation. Tensors that existed before the tracker started are not counted: ``peak``
+    is the *extra* memory the code allocated. Workspace an operation frees before it
+    returns is not seen.
     """
 
     def __init__(self):
@@ -147,7 +186,9 @@ class TensorMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {
-            t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            t.untyped_storage()._cdata
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
         }
         self._release_freed()
         for t in tree_flatten(out)[0]:
@@ -164,15 +205,21 @@ class TensorMemoryTracker(TorchDispatchMode):
         return out
 
 
-def peak_memory(fn: Callable[[], object], device: torch.device | str | None = None) -> int:
-    """Peak bytes of memory that ``fn()`` allocates above what was allocated when it started.
+def peak_memory(
+    fn: Callable[[], object], device: torch.device | str | None = None
+) -> int:
+    """Peak bytes of memory that ``fn()`` allocates above what was allocated when it
+    started.
 
-    On CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's own count). Elsewhere
-    (CPU, MPS): a :class:`TensorMemoryTracker`, which adds up the tensors ``fn`` creates while
-    they are alive. The result of ``fn`` counts while it is being built, then is dropped.
+    On CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's own count).
+    Elsewhere (CPU, MPS): a :class:`TensorMemoryTracker`, which adds up the tensors
+    ``fn`` creates while they are alive. The result of ``fn`` counts while it is being
+    built, then is dropped.
     """
     if not callable(fn):
-        raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
+        raise TypeError(
+            f"fn must be callable with no arguments, got {type(fn).__name__}"
+        )
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)

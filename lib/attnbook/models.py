@@ -1,19 +1,23 @@
-"""The three families, built from the library's blocks, and the decoding interface they share.
+"""The three families, built from the library's blocks, and the decoding interface they
+share.
 
-- :class:`EncoderOnlyModel` (BERT-like): bidirectional self-attention; a masked-language-model head
-  and a classification head. For understanding tasks (classification, tagging).
-- :class:`GPT` (decoder-only): causal self-attention and a next-token head. For generation.
+- :class:`EncoderOnlyModel` (BERT-like): bidirectional self-attention; a
+  masked-language-model head and a classification head. For understanding tasks
+  (classification, tagging).
+- :class:`GPT` (decoder-only): causal self-attention and a next-token head. For
+  generation.
 - :class:`EncoderDecoderModel` (T5/BART-like): an encoder reads the source; a
-  :class:`TransformerDecoder` generates the target with causal self-attention and cross-attention to
-  the encoder's outputs. The same decoder class is Whisper's and chapter 10's.
+  :class:`TransformerDecoder` generates the target with causal self-attention and
+  cross-attention to the encoder's outputs. The same decoder class is Whisper's and
+  chapter 10's.
 
-Token ids are ``(B, T)`` LongTensors; hidden states ``(B, T, d_model)``; logits ``(B, T, vocab_size)``.
-Pre-norm by default (``norm="post"`` for the original layout).
+Token ids are ``(B, T)`` LongTensors; hidden states ``(B, T, d_model)``; logits ``(B, T,
+vocab_size)``. Pre-norm by default (``norm="post"`` for the original layout).
 
 Every model that generates offers the same small interface to :func:`attnbook.generate`:
-``max_len`` and ``vocab_size`` (of the tokens it writes), ``decoding_context(batch_size, **inputs)``
-(what the decoder reads, computed once: ``None`` for a GPT, the encoder's output otherwise),
-``decoding_caches(batch_size, context)`` (one KV cache per layer) and
+``max_len`` and ``vocab_size`` (of the tokens it writes), ``decoding_context(batch_size,
+**inputs)`` (what the decoder reads, computed once: ``None`` for a GPT, the encoder's
+output otherwise), ``decoding_caches(batch_size, context)`` (one KV cache per layer) and
 ``decode_step(tokens, context, caches) -> logits (B, T, vocab_size)``.
 """
 
@@ -24,51 +28,94 @@ from torch import nn
 
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock
 from .masks import sliding_window_mask
-from .multihead import MultiHeadAttention, RollingKVCache, RotaryMultiHeadAttention, make_caches
+from .multihead import (
+    MultiHeadAttention,
+    RollingKVCache,
+    RotaryMultiHeadAttention,
+    make_caches,
+)
 from .positions import LearnedPositions, SinusoidalPositions, alibi_bias
 from .utils import check_positive_int, check_token_ids
 
 
 def _check_sizes(**sizes) -> None:
-    """Raise a ``ValueError`` naming the first size that is not a positive int, before any layer is built."""
+    """Raise a ``ValueError`` naming the first size that is not a positive int, before
+    any layer is built."""
     for name, value in sizes.items():
         check_positive_int(name, value)
 
 
 def _device_and_dtype(model: nn.Module, device, dtype):
     parameter = next(model.parameters())
-    return (parameter.device if device is None else device), (parameter.dtype if dtype is None else dtype)
+    return (parameter.device if device is None else device), (
+        parameter.dtype if dtype is None else dtype
+    )
 
 
 def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     embedding = nn.Embedding(vocab_size, d_model)
-    nn.init.normal_(embedding.weight, std=0.02)  # as GPT-2: the same scale as the learned positions
+    # as GPT-2: the same scale as the learned positions
+    nn.init.normal_(embedding.weight, std=0.02)
     return embedding
 
 
-def _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm, block=EncoderBlock,
-                   attention_class=MultiHeadAttention):
-    return nn.ModuleList(block(d_model, num_heads, hidden, dropout, activation=activation, norm=norm,
-                               attention_class=attention_class) for _ in range(num_layers))
+def _encoder_stack(
+    num_layers,
+    d_model,
+    num_heads,
+    hidden,
+    dropout,
+    activation,
+    norm,
+    block=EncoderBlock,
+    attention_class=MultiHeadAttention,
+):
+    return nn.ModuleList(
+        block(
+            d_model,
+            num_heads,
+            hidden,
+            dropout,
+            activation=activation,
+            norm=norm,
+            attention_class=attention_class,
+        )
+        for _ in range(num_layers)
+    )
 
 
 def _final_norm(norm: str, d_model: int) -> nn.Module:
-    """A pre-norm stack ends with a LayerNorm (its residual stream is never normalised otherwise)."""
+    """A pre-norm stack ends with a LayerNorm (its residual stream is never normalised
+    otherwise)."""
     return nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
 
 
-def mean_pool(hidden: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The mean of the real tokens' vectors: ``hidden (B, T, d)``, ``key_padding_mask (B, T)`` (``True`` at
-    padding, the library's convention) -> ``(B, d)``. Padding does not change a sequence's mean."""
-    if hidden.dim() != 3 or (key_padding_mask is not None and key_padding_mask.shape != hidden.shape[:2]):
-        padding_shape = None if key_padding_mask is None else tuple(key_padding_mask.shape)
-        raise ValueError(f"mean_pool needs hidden (B, T, d) and key_padding_mask (B, T) or None, got "
-                         f"{tuple(hidden.shape)} and {padding_shape}")
+def mean_pool(
+    hidden: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean of the real tokens' vectors: ``hidden (B, T, d)``, ``key_padding_mask
+    (B, T)`` (``True`` at padding, the library's convention) -> ``(B, d)``. Padding does
+    not change a sequence's mean."""
+    if hidden.dim() != 3 or (
+        key_padding_mask is not None and key_padding_mask.shape != hidden.shape[:2]
+    ):
+        padding_shape = (
+            None if key_padding_mask is None else tuple(key_padding_mask.shape)
+        )
+        raise ValueError(
+            "mean_pool needs hidden (B, T, d) and key_padding_mask (B, T) or None, "
+            "got "
+            f"{tuple(hidden.shape)} and {padding_shape}"
+        )
     if key_padding_mask is None:
         return hidden.mean(dim=1)
     if key_padding_mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be bool (True at padding), got {key_padding_mask.dtype}")
-    keep = (~key_padding_mask).to(hidden.dtype)[..., None]  # (B, T, 1): 1 for real tokens
+        raise TypeError(
+            "key_padding_mask must be bool (True at padding), got "
+            f"{key_padding_mask.dtype}"
+        )
+    # (B, T, 1): 1 for real tokens
+    keep = (~key_padding_mask).to(hidden.dtype)[..., None]
     return (hidden * keep).sum(1) / keep.sum(1).clamp_min(1)  # (B, d)
 
 
@@ -76,29 +123,52 @@ GPT_POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: token + learned position embeddings, causal blocks, next-token head.
+    """Decoder-only transformer: token + learned position embeddings, causal blocks,
+    next-token head.
 
-    ``forward(tokens (B, T), caches=None) -> logits (B, T, vocab_size)``. With ``caches`` (from
-    :meth:`make_caches`), ``tokens`` holds only the new tokens; their keys and values are appended to
-    each layer's cache and only they are computed.
+    ``forward(tokens (B, T), caches=None) -> logits (B, T, vocab_size)``. With
+    ``caches`` (from
+    :meth:`make_caches`), ``tokens`` holds only the new tokens; their keys and values
+    are appended to each layer's cache and only they are computed.
 
-    ``positions`` picks how tokens learn where they are (chapter 13 compares them past the trained
-    length): ``"learned"`` (the default: a table of ``max_len`` rows added to the embeddings),
-    ``"sinusoidal"`` (the fixed encoding, added), ``"rope"`` (queries and keys rotated in every
-    layer; :meth:`set_rope_scaling` stretches it), ``"alibi"`` (a distance penalty added to the scores,
-    :func:`~attnbook.positions.alibi_bias`) or ``"none"`` (NoPE: causal attention alone). With
-    ``window`` each token attends to itself and the ``window - 1`` tokens before it
-    (:func:`~attnbook.masks.sliding_window_mask`), and :meth:`make_caches` gives rolling caches of
-    ``window`` entries.
+    ``positions`` picks how tokens learn where they are (chapter 13 compares them past
+    the trained length): ``"learned"`` (the default: a table of ``max_len`` rows added
+    to the embeddings), ``"sinusoidal"`` (the fixed encoding, added), ``"rope"``
+    (queries and keys rotated in every layer; :meth:`set_rope_scaling` stretches it),
+    ``"alibi"`` (a distance penalty added to the scores,
+    :func:`~attnbook.positions.alibi_bias`) or ``"none"`` (NoPE: causal attention
+    alone). With ``window`` each token attends to itself and the ``window - 1`` tokens
+    before it (:func:`~attnbook.masks.sliding_window_mask`), and :meth:`make_caches`
+    gives rolling caches of ``window`` entries.
     """
 
-    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, hidden=None, dropout=0.0,
-                 norm="pre", activation="gelu", positions="learned", window=None):
+    def __init__(
+        self,
+        vocab_size,
+        d_model,
+        num_heads,
+        num_layers,
+        max_len,
+        *,
+        hidden=None,
+        dropout=0.0,
+        norm="pre",
+        activation="gelu",
+        positions="learned",
+        window=None,
+    ):
         super().__init__()
-        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
-                     max_len=max_len)
+        _check_sizes(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            max_len=max_len,
+        )
         if positions not in GPT_POSITIONS:
-            raise ValueError(f"positions must be one of {GPT_POSITIONS}, got {positions!r}")
+            raise ValueError(
+                f"positions must be one of {GPT_POSITIONS}, got {positions!r}"
+            )
         self.window = None if window is None else check_positive_int("window", window)
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
         self.position_scheme = positions
@@ -110,36 +180,73 @@ class GPT(nn.Module):
         else:
             self.positions = None  # RoPE and ALiBi act inside attention; NoPE has none
         self.dropout = nn.Dropout(dropout)
-        attention_class = RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
-        self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm,
-                                     block=DecoderOnlyBlock, attention_class=attention_class)
+        attention_class = (
+            RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
+        )
+        self.blocks = _encoder_stack(
+            num_layers,
+            d_model,
+            num_heads,
+            hidden,
+            dropout,
+            activation,
+            norm,
+            block=DecoderOnlyBlock,
+            attention_class=attention_class,
+        )
         self.final_norm = _final_norm(norm, d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def set_rope_scaling(self, scale: float = 1.0, method: str = "linear", original_length: int | None = None):
-        """Stretch RoPE in every layer (see :func:`~attnbook.positions.rope_angles`); ``scale=1.0`` undoes it."""
+    def set_rope_scaling(
+        self,
+        scale: float = 1.0,
+        method: str = "linear",
+        original_length: int | None = None,
+    ):
+        """Stretch RoPE in every layer (see :func:`~attnbook.positions.rope_angles`);
+        ``scale=1.0`` undoes it."""
         if self.position_scheme != "rope":
-            raise ValueError(f"set_rope_scaling needs a GPT with positions='rope', this one has "
-                             f"{self.position_scheme!r}")
+            raise ValueError(
+                f"set_rope_scaling needs a GPT with positions='rope', this one has "
+                f"{self.position_scheme!r}"
+            )
         for block in self.blocks:
             block.self_attention.set_rope_scaling(scale, method, original_length)
         return self
 
     def make_caches(self, batch_size: int, device=None, dtype=None):
-        """One preallocated :class:`~attnbook.multihead.KVCache` per layer, for up to ``max_len`` tokens
-        (on the model's device and in its dtype unless given; the first keys decide in the end); with a
-        ``window``, one :class:`~attnbook.multihead.RollingKVCache` of ``window`` entries per layer."""
+        """One preallocated :class:`~attnbook.multihead.KVCache` per layer, for up to
+        ``max_len`` tokens (on the model's device and in its dtype unless given; the
+        first keys decide in the end); with a ``window``, one
+        :class:`~attnbook.multihead.RollingKVCache` of ``window`` entries per layer."""
         device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
         if self.window is not None:
-            return [RollingKVCache(batch_size, self.num_heads, self.window, head_dim, device=device, dtype=dtype)
-                    for _ in self.blocks]
-        return make_caches(len(self.blocks), batch_size, self.num_heads, head_dim, self.max_len,
-                           device=device, dtype=dtype)
+            return [
+                RollingKVCache(
+                    batch_size,
+                    self.num_heads,
+                    self.window,
+                    head_dim,
+                    device=device,
+                    dtype=dtype,
+                )
+                for _ in self.blocks
+            ]
+        return make_caches(
+            len(self.blocks),
+            batch_size,
+            self.num_heads,
+            head_dim,
+            self.max_len,
+            device=device,
+            dtype=dtype,
+        )
 
     def attention_mask(self, query_len: int, caches=None, device=None):
-        """The mask every layer adds for ``query_len`` new tokens after ``caches``: ``None`` (causal
-        attention alone), the sliding window's bool mask, ALiBi's bias ``(1, h, Tq, Tk)``, or both."""
+        """The mask every layer adds for ``query_len`` new tokens after ``caches``:
+        ``None`` (causal attention alone), the sliding window's bool mask, ALiBi's bias
+        ``(1, h, Tq, Tk)``, or both."""
         if self.window is None and self.position_scheme != "alibi":
             return None
         cache = caches[0] if caches else None
@@ -149,33 +256,52 @@ class GPT(nn.Module):
             key_len = cache.key_len(query_len)
         else:
             key_len = cache.length + query_len
-        mask = None if self.window is None else sliding_window_mask(query_len, key_len, self.window, device=device)
+        mask = (
+            None
+            if self.window is None
+            else sliding_window_mask(query_len, key_len, self.window, device=device)
+        )
         if self.position_scheme != "alibi":
             return mask  # (Tq, Tk) bool
-        bias = alibi_bias(self.num_heads, query_len, key_len, device=device)[None]  # (1, h, Tq, Tk)
+        # (1, h, Tq, Tk)
+        bias = alibi_bias(self.num_heads, query_len, key_len, device=device)[None]
         return bias if mask is None else bias.masked_fill(mask, float("-inf"))
 
-    def forward(self, tokens: torch.Tensor, caches=None, *, check_ids: bool = True) -> torch.Tensor:
-        """``check_ids=False`` skips the range check of the ids (which reads them back to the host);
-        :func:`~attnbook.generation.generate` uses it for the tokens it picked itself."""
+    def forward(
+        self, tokens: torch.Tensor, caches=None, *, check_ids: bool = True
+    ) -> torch.Tensor:
+        """``check_ids=False`` skips the range check of the ids (which reads them back
+        to the host);
+        :func:`~attnbook.generation.generate` uses it for the tokens it picked
+        itself."""
         start = caches[0].length if caches else 0
-        check_token_ids(tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids)
+        check_token_ids(
+            tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids
+        )
         if caches is not None and len(caches) != len(self.blocks):
-            raise ValueError(f"need one cache per block ({len(self.blocks)}), got {len(caches)}")
+            raise ValueError(
+                f"need one cache per block ({len(self.blocks)}), got {len(caches)}"
+            )
         x = self.token_embedding(tokens)  # (B, T, d)
         if self.positions is not None:
-            x = self.positions(x, start)  # (B, T, d): learned or sinusoidal positions added
+            # (B, T, d): learned or sinusoidal positions added
+            x = self.positions(x, start)
         x = self.dropout(x)
-        mask = self.attention_mask(tokens.shape[1], caches, tokens.device)  # None, window and/or ALiBi
+        # None, window and/or ALiBi
+        mask = self.attention_mask(tokens.shape[1], caches, tokens.device)
         layer_caches = [None] * len(self.blocks) if caches is None else caches
-        for block, cache in zip(self.blocks, layer_caches, strict=True):  # causal: new queries see keys up to them
+        # causal: new queries see keys up to them
+        for block, cache in zip(self.blocks, layer_caches, strict=True):
             x = block(x, mask, cache=cache)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
     # the decoding interface (see the module docstring)
     def decoding_context(self, batch_size: int, **inputs):
         if inputs:
-            raise ValueError(f"a GPT generates from its prompt alone; got extra inputs {sorted(inputs)}")
+            raise ValueError(
+                "a GPT generates from its prompt alone; got extra inputs "
+                f"{sorted(inputs)}"
+            )
         return None
 
     def decoding_caches(self, batch_size: int, context):
@@ -190,19 +316,39 @@ class EncoderOnlyModel(nn.Module):
 
     ``forward(tokens (B, T), key_padding_mask=None) -> hidden (B, T, d)``;
     :meth:`mlm_logits` -> ``(B, T, vocab_size)`` (predict masked tokens);
-    :meth:`classify` -> ``(B, num_classes)`` from the mean of the non-padding hidden states.
+    :meth:`classify` -> ``(B, num_classes)`` from the mean of the non-padding hidden
+    states.
     """
 
-    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, num_classes=None, hidden=None,
-                 dropout=0.0, norm="pre", activation="gelu"):
+    def __init__(
+        self,
+        vocab_size,
+        d_model,
+        num_heads,
+        num_layers,
+        max_len,
+        *,
+        num_classes=None,
+        hidden=None,
+        dropout=0.0,
+        norm="pre",
+        activation="gelu",
+    ):
         super().__init__()
-        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
-                     max_len=max_len)
+        _check_sizes(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            max_len=max_len,
+        )
         self.vocab_size, self.max_len = vocab_size, max_len
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = _encoder_stack(num_layers, d_model, num_heads, hidden, dropout, activation, norm)
+        self.blocks = _encoder_stack(
+            num_layers, d_model, num_heads, hidden, dropout, activation, norm
+        )
         self.final_norm = _final_norm(norm, d_model)
         self.mlm_head = nn.Linear(d_model, vocab_size)
         self.classifier = nn.Linear(d_model, num_classes) if num_classes else None
@@ -219,95 +365,214 @@ class EncoderOnlyModel(nn.Module):
 
     def classify(self, tokens, key_padding_mask=None):
         if self.classifier is None:
-            raise ValueError("this model was built without num_classes; pass num_classes=... to classify")
-        return self.classifier(mean_pool(self(tokens, key_padding_mask), key_padding_mask))  # (B, num_classes)
+            raise ValueError(
+                "this model was built without num_classes; pass num_classes=... to "
+                "classify"
+            )
+        # (B, num_classes)
+        return self.classifier(
+            mean_pool(self(tokens, key_padding_mask), key_padding_mask)
+        )
 
 
 class TransformerDecoder(nn.Module):
-    """The decoder of every encoder–decoder in the book: ``tokens (B, T)`` and the encoder's
-    ``memory (B, S, d)`` -> ``logits (B, T, vocab_size)``.
+    """The decoder of every encoder–decoder in the book: ``tokens (B, T)`` and the
+    encoder's ``memory (B, S, d)`` -> ``logits (B, T, vocab_size)``.
 
-    Token embedding (times ``embedding_scale``) plus positions (``"learned"`` or ``"sinusoidal"``),
-    :class:`~attnbook.blocks.DecoderBlock` s (causal self-attention, aligned to the bottom right as with
-    a cache; cross-attention whose queries come from the text and whose keys and values come from
-    ``memory``; the feed-forward network), the final norm of a pre-norm stack, and an output head:
-    ``lm_head`` (``nn.Linear``), or with ``tied_head=True`` the token embedding transposed (Whisper).
-    With ``caches`` (from :meth:`make_caches`) ``tokens`` holds only the new tokens.
+    Token embedding (times ``embedding_scale``) plus positions (``"learned"`` or
+    ``"sinusoidal"``),
+    :class:`~attnbook.blocks.DecoderBlock` s (causal self-attention, aligned to the
+    bottom right as with a cache; cross-attention whose queries come from the text and
+    whose keys and values come from ``memory``; the feed-forward network), the final
+    norm of a pre-norm stack, and an output head: ``lm_head`` (``nn.Linear``), or with
+    ``tied_head=True`` the token embedding transposed (Whisper). With ``caches`` (from
+    :meth:`make_caches`) ``tokens`` holds only the new tokens.
     """
 
-    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *, hidden=None, dropout=0.0,
-                 norm="pre", activation="gelu", positions="learned", embedding_scale=1.0, tied_head=False,
-                 head_bias=False):
+    def __init__(
+        self,
+        vocab_size,
+        d_model,
+        num_heads,
+        num_layers,
+        max_len,
+        *,
+        hidden=None,
+        dropout=0.0,
+        norm="pre",
+        activation="gelu",
+        positions="learned",
+        embedding_scale=1.0,
+        tied_head=False,
+        head_bias=False,
+    ):
         super().__init__()
-        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers,
-                     max_len=max_len)
+        _check_sizes(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            max_len=max_len,
+        )
         if positions not in ("learned", "sinusoidal"):
-            raise ValueError(f"positions must be 'learned' or 'sinusoidal', got {positions!r}")
+            raise ValueError(
+                f"positions must be 'learned' or 'sinusoidal', got {positions!r}"
+            )
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
         self.embedding_scale = embedding_scale
         self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.positions = (LearnedPositions(max_len, d_model) if positions == "learned"
-                          else SinusoidalPositions(d_model, max_len))
+        self.positions = (
+            LearnedPositions(max_len, d_model)
+            if positions == "learned"
+            else SinusoidalPositions(d_model, max_len)
+        )
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(DecoderBlock(d_model, num_heads, hidden, dropout, activation=activation, norm=norm)
-                                    for _ in range(num_layers))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(
+                d_model, num_heads, hidden, dropout, activation=activation, norm=norm
+            )
+            for _ in range(num_layers)
+        )
         self.norm = _final_norm(norm, d_model)
-        self.lm_head = None if tied_head else nn.Linear(d_model, vocab_size, bias=head_bias)
+        self.lm_head = (
+            None if tied_head else nn.Linear(d_model, vocab_size, bias=head_bias)
+        )
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
-        """Per block: a self-attention cache (grows) and a static cross-attention cache (filled once)."""
+        """Per block: a self-attention cache (grows) and a static cross-attention cache
+        (filled once)."""
         device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
-        return make_caches(len(self.blocks), batch_size, self.num_heads, head_dim, self.max_len,
-                           memory_len=memory_len, device=device, dtype=dtype)
+        return make_caches(
+            len(self.blocks),
+            batch_size,
+            self.num_heads,
+            head_dim,
+            self.max_len,
+            memory_len=memory_len,
+            device=device,
+            dtype=dtype,
+        )
 
-    def forward(self, tokens, memory, memory_padding_mask=None, caches=None, *, check_ids: bool = True):
+    def forward(
+        self,
+        tokens,
+        memory,
+        memory_padding_mask=None,
+        caches=None,
+        *,
+        check_ids: bool = True,
+    ):
         start = caches[0][0].length if caches else 0
-        check_token_ids(tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids, name="tokens")
+        check_token_ids(
+            tokens,
+            self.vocab_size,
+            self.max_len,
+            start=start,
+            check_range=check_ids,
+            name="tokens",
+        )
         if tokens.shape[0] != memory.shape[0]:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} differ in batch size")
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} differ "
+                "in batch size"
+            )
         if caches is not None and len(caches) != len(self.blocks):
-            raise ValueError(f"need one (self, cross) cache pair per block ({len(self.blocks)}), got {len(caches)}")
-        embedded = self.token_embedding(tokens) * self.embedding_scale if self.embedding_scale != 1.0 \
+            raise ValueError(
+                f"need one (self, cross) cache pair per block ({len(self.blocks)}), "
+                f"got {len(caches)}"
+            )
+        embedded = (
+            self.token_embedding(tokens) * self.embedding_scale
+            if self.embedding_scale != 1.0
             else self.token_embedding(tokens)
+        )
         x = self.dropout(self.positions(embedded, start))  # (B, T, d)
         layer_caches = [(None, None)] * len(self.blocks) if caches is None else caches
-        for block, (self_cache, cross_cache) in zip(self.blocks, layer_caches, strict=True):
-            x = block(x, memory, memory_key_padding_mask=memory_padding_mask, self_cache=self_cache,
-                      cross_cache=cross_cache, is_causal=True)  # (B, T, d)
+        for block, (self_cache, cross_cache) in zip(
+            self.blocks, layer_caches, strict=True
+        ):
+            x = block(
+                x,
+                memory,
+                memory_key_padding_mask=memory_padding_mask,
+                self_cache=self_cache,
+                cross_cache=cross_cache,
+                is_causal=True,
+            )  # (B, T, d)
         x = self.norm(x)
         if self.lm_head is None:
-            return x @ self.token_embedding.weight.T  # (B, T, vocab): the output projection is the embedding
+            # (B, T, vocab): the output projection is the embedding
+            return x @ self.token_embedding.weight.T
         return self.lm_head(x)  # (B, T, vocab)
 
 
 class EncoderDecoderModel(nn.Module):
     """Encoder–decoder (T5/BART-like) transformer with sinusoidal positions.
 
-    ``forward(source (B, S), target (B, T), source_padding_mask=None) -> logits (B, T, target_vocab_size)``;
-    :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the :class:`TransformerDecoder`
-    on it (with per-layer self-attention and cross-attention caches from :meth:`make_caches`).
+    ``forward(source (B, S), target (B, T), source_padding_mask=None) -> logits (B, T,
+    target_vocab_size)``;
+    :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the
+    :class:`TransformerDecoder` on it (with per-layer self-attention and cross-attention
+    caches from :meth:`make_caches`).
     """
 
-    def __init__(self, source_vocab_size, target_vocab_size, d_model, num_heads, num_encoder_layers,
-                 num_decoder_layers, max_len, *, hidden=None, dropout=0.0, norm="pre", activation="gelu"):
+    def __init__(
+        self,
+        source_vocab_size,
+        target_vocab_size,
+        d_model,
+        num_heads,
+        num_encoder_layers,
+        num_decoder_layers,
+        max_len,
+        *,
+        hidden=None,
+        dropout=0.0,
+        norm="pre",
+        activation="gelu",
+    ):
         super().__init__()
-        _check_sizes(source_vocab_size=source_vocab_size, target_vocab_size=target_vocab_size, d_model=d_model,
-                     num_heads=num_heads, num_encoder_layers=num_encoder_layers,
-                     num_decoder_layers=num_decoder_layers, max_len=max_len)
-        self.source_vocab_size, self.target_vocab_size = source_vocab_size, target_vocab_size
+        _check_sizes(
+            source_vocab_size=source_vocab_size,
+            target_vocab_size=target_vocab_size,
+            d_model=d_model,
+            num_heads=num_heads,
+            num_encoder_layers=num_encoder_layers,
+            num_decoder_layers=num_decoder_layers,
+            max_len=max_len,
+        )
+        self.source_vocab_size, self.target_vocab_size = (
+            source_vocab_size,
+            target_vocab_size,
+        )
         self.max_len, self.num_heads = max_len, num_heads
-        self.scale = d_model**0.5  # embeddings scaled by sqrt(d) before adding positions, as in the original
+        # embeddings scaled by sqrt(d) before adding positions, as in the original
+        self.scale = d_model**0.5
         self.source_embedding = nn.Embedding(source_vocab_size, d_model)
         self.positions = SinusoidalPositions(d_model, max_len)
         self.dropout = nn.Dropout(dropout)
-        self.encoder_blocks = _encoder_stack(num_encoder_layers, d_model, num_heads, hidden, dropout, activation, norm)
+        self.encoder_blocks = _encoder_stack(
+            num_encoder_layers, d_model, num_heads, hidden, dropout, activation, norm
+        )
         self.encoder_norm = _final_norm(norm, d_model)
-        self.decoder = TransformerDecoder(target_vocab_size, d_model, num_heads, num_decoder_layers, max_len,
-                                          hidden=hidden, dropout=dropout, norm=norm, activation=activation,
-                                          positions="sinusoidal", embedding_scale=self.scale)
-        for embedding in (self.source_embedding, self.decoder.token_embedding):  # std d^-1/2: after the sqrt(d)
-            nn.init.normal_(embedding.weight, std=d_model**-0.5)  # scale tokens and positions are both of size ~1
+        self.decoder = TransformerDecoder(
+            target_vocab_size,
+            d_model,
+            num_heads,
+            num_decoder_layers,
+            max_len,
+            hidden=hidden,
+            dropout=dropout,
+            norm=norm,
+            activation=activation,
+            positions="sinusoidal",
+            embedding_scale=self.scale,
+        )
+        # std d^-1/2: after the sqrt(d)
+        for embedding in (self.source_embedding, self.decoder.token_embedding):
+            # scale tokens and positions are both of size ~1
+            nn.init.normal_(embedding.weight, std=d_model**-0.5)
 
     @property
     def vocab_size(self) -> int:
@@ -316,39 +581,71 @@ class EncoderDecoderModel(nn.Module):
 
     def encode(self, source, source_padding_mask=None):
         check_token_ids(source, self.source_vocab_size, self.max_len, name="source ids")
-        x = self.dropout(self.positions(self.source_embedding(source) * self.scale))  # (B, S, d)
+        # (B, S, d)
+        x = self.dropout(self.positions(self.source_embedding(source) * self.scale))
         for block in self.encoder_blocks:
             x = block(x, key_padding_mask=source_padding_mask)
         return self.encoder_norm(x)  # memory (B, S, d)
 
-    def decode(self, target, memory, source_padding_mask=None, caches=None, *, check_ids: bool = True):
-        """Decoder logits ``(B, T, target_vocab)`` for ``target (B, T)`` (only the new tokens with ``caches``)."""
-        return self.decoder(target, memory, source_padding_mask, caches, check_ids=check_ids)
+    def decode(
+        self,
+        target,
+        memory,
+        source_padding_mask=None,
+        caches=None,
+        *,
+        check_ids: bool = True,
+    ):
+        """Decoder logits ``(B, T, target_vocab)`` for ``target (B, T)`` (only the new
+        tokens with ``caches``)."""
+        return self.decoder(
+            target, memory, source_padding_mask, caches, check_ids=check_ids
+        )
 
     def forward(self, source, target, source_padding_mask=None):
-        return self.decode(target, self.encode(source, source_padding_mask), source_padding_mask)
+        return self.decode(
+            target, self.encode(source, source_padding_mask), source_padding_mask
+        )
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
-        """Per decoder layer: a self-attention cache (grows) and a static cross-attention cache (filled once)."""
+        """Per decoder layer: a self-attention cache (grows) and a static
+        cross-attention cache (filled once)."""
         return self.decoder.make_caches(batch_size, memory_len, device, dtype)
 
     # the decoding interface (see the module docstring)
     def decoding_context(self, batch_size: int, source=None, source_padding_mask=None):
-        """``(memory (B, S, d), source_padding_mask (B, S) or None)`` for ``source (B, S)`` token ids."""
+        """``(memory (B, S, d), source_padding_mask (B, S) or None)`` for ``source (B,
+        S)`` token ids."""
         if source is None:
-            raise ValueError("an EncoderDecoderModel needs source=(B, S) token ids to generate from")
+            raise ValueError(
+                "an EncoderDecoderModel needs source=(B, S) token ids to generate from"
+            )
         device = next(self.parameters()).device
         source = torch.as_tensor(source)
-        source = (source[None] if source.dim() == 1 else source).to(device=device, dtype=torch.long)
+        source = (source[None] if source.dim() == 1 else source).to(
+            device=device, dtype=torch.long
+        )
         if source.shape[0] != batch_size:
-            raise ValueError(f"source has batch size {source.shape[0]} but the prompt has {batch_size}")
+            raise ValueError(
+                f"source has batch size {source.shape[0]} but the prompt has "
+                f"{batch_size}"
+            )
         if source_padding_mask is not None:
             source_padding_mask = torch.as_tensor(source_padding_mask)
-            source_padding_mask = source_padding_mask[None] if source_padding_mask.dim() == 1 else source_padding_mask
+            source_padding_mask = (
+                source_padding_mask[None]
+                if source_padding_mask.dim() == 1
+                else source_padding_mask
+            )
             if source_padding_mask.shape != source.shape:
-                raise ValueError(f"source_padding_mask {tuple(source_padding_mask.shape)} must have the source's "
-                                 f"shape {tuple(source.shape)}")
-            source_padding_mask = source_padding_mask.to(device=device, dtype=torch.bool)
+                raise ValueError(
+                    f"source_padding_mask {tuple(source_padding_mask.shape)} must have "
+                    "the source's "
+                    f"shape {tuple(source.shape)}"
+                )
+            source_padding_mask = source_padding_mask.to(
+                device=device, dtype=torch.bool
+            )
         return self.encode(source, source_padding_mask), source_padding_mask
 
     def decoding_caches(self, batch_size: int, context):

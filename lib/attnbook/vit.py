@@ -1,20 +1,24 @@
 """The Vision Transformer (ViT): an image cut into patches, each patch a token.
 
-- :class:`PatchEmbedding`: one ``Conv2d`` with kernel size = stride = ``p``; an ``H x W`` image
-  gives ``(H / p)(W / p)`` tokens. :func:`patchify` cuts the same patches out by hand, to show that
-  the convolution is "cut into patches, flatten, one linear layer".
-- :class:`ViT`: patch tokens (+ a learned ``<cls>`` token), a learned position table, pre-norm
-  encoder blocks, then the ``<cls>`` output (``pool="cls"``) or the mean of the patch outputs
-  (``pool="mean"``) into a linear classifier. :meth:`ViT.resize` moves a trained model to another
-  image size: its position table is interpolated in 2D (:func:`resize_position_table`, the
-  ``<cls>`` row kept as is) or replaced by a fresh one.
+- :class:`PatchEmbedding`: one ``Conv2d`` with kernel size = stride = ``p``; an ``H x
+  W`` image gives ``(H / p)(W / p)`` tokens. :func:`patchify` cuts the same patches out
+  by hand, to show that the convolution is "cut into patches, flatten, one linear
+  layer".
+- :class:`ViT`: patch tokens (+ a learned ``<cls>`` token), a learned position table,
+  pre-norm encoder blocks, then the ``<cls>`` output (``pool="cls"``) or the mean of the
+  patch outputs (``pool="mean"``) into a linear classifier. :meth:`ViT.resize` moves a
+  trained model to another image size: its position table is interpolated in 2D
+  (:func:`resize_position_table`, the ``<cls>`` row kept as is) or replaced by a fresh
+  one.
 - :class:`SmallResNet`: a small ResNet-style CNN, the baseline ViT is compared with.
 
-The data (:func:`attnbook.data.load_mnist_5k`, :func:`attnbook.data.stratified_split`) and the training
-loop (:func:`attnbook.train.train_classifier`, :func:`attnbook.train.accuracy`) live in their own modules.
+The data (:func:`attnbook.data.load_mnist_5k`, :func:`attnbook.data.stratified_split`)
+and the training loop (:func:`attnbook.train.train_classifier`,
+:func:`attnbook.train.accuracy`) live in their own modules.
 
-Shapes: images ``(B, C, H, W)``; tokens ``(B, N, d)`` with ``N = (H / p)(W / p)`` patches, plus one
-``<cls>`` token in front when ``pool="cls"``; logits ``(B, num_classes)``.
+Shapes: images ``(B, C, H, W)``; tokens ``(B, N, d)`` with ``N = (H / p)(W / p)``
+patches, plus one ``<cls>`` token in front when ``pool="cls"``; logits ``(B,
+num_classes)``.
 """
 
 from __future__ import annotations
@@ -28,41 +32,59 @@ from .positions import LearnedPositions, interpolate_grid
 from .utils import check_non_negative_int, check_positive_int, eval_mode
 
 POOLS = ("cls", "mean")
+POSITION_EMBEDDINGS = ("learned", "none")
 
 
 def _pair(name: str, value) -> tuple[int, int]:
-    """``28 -> (28, 28)``; ``(28, 56)`` stays; anything else is an error naming ``name``."""
+    """``28 -> (28, 28)``; ``(28, 56)`` stays; anything else is an error naming
+    ``name``."""
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        return check_positive_int(f"{name} height", value[0]), check_positive_int(f"{name} width", value[1])
+        return check_positive_int(f"{name} height", value[0]), check_positive_int(
+            f"{name} width", value[1]
+        )
     side = check_positive_int(name, value)
     return side, side
 
 
 def patch_grid(image_size, patch_size: int) -> tuple[int, int]:
-    """The grid of patches, ``(H / p, W / p)``, of an ``H x W`` image (``image_size`` is ``H`` or ``(H, W)``).
+    """The grid of patches, ``(H / p, W / p)``, of an ``H x W`` image (``image_size`` is
+    ``H`` or ``(H, W)``).
 
     Raises ``ValueError`` naming both sizes when a side is not a multiple of ``p``."""
     height, width = _pair("image_size", image_size)
     p = check_positive_int("patch_size", patch_size)
     if height % p or width % p:
-        raise ValueError(f"image size {height}x{width} is not divisible by patch_size={p}: "
-                         f"every side must be a multiple of the patch size")
+        raise ValueError(
+            f"image size {height}x{width} is not divisible by patch_size={p}: "
+            f"every side must be a multiple of the patch size"
+        )
     return height // p, width // p
 
 
 def _check_images(images, in_channels: int | None = None) -> None:
-    if not isinstance(images, torch.Tensor) or images.dim() != 4 or not images.is_floating_point():
-        raise ValueError(f"images must be a float (B, C, H, W) tensor, got "
-                         f"{getattr(images, 'dtype', type(images).__name__)} {tuple(getattr(images, 'shape', ()))}")
+    if (
+        not isinstance(images, torch.Tensor)
+        or images.dim() != 4
+        or not images.is_floating_point()
+    ):
+        raise ValueError(
+            f"images must be a float (B, C, H, W) tensor, got "
+            f"{getattr(images, 'dtype', type(images).__name__)} "
+            f"{tuple(getattr(images, 'shape', ()))}"
+        )
     if in_channels is not None and images.shape[1] != in_channels:
-        raise ValueError(f"images must have {in_channels} channel(s), got shape {tuple(images.shape)}")
+        raise ValueError(
+            f"images must have {in_channels} channel(s), got shape "
+            f"{tuple(images.shape)}"
+        )
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """Cut ``images (B, C, H, W)`` into ``p x p`` patches, row by row: ``(B, N, C p p)``.
+    """Cut ``images (B, C, H, W)`` into ``p x p`` patches, row by row: ``(B, N, C p
+    p)``.
 
-    Patch ``r * (W / p) + c`` is the one in patch row ``r``, column ``c``; each is flattened in the
-    order ``(C, p, p)``, the layout of a ``Conv2d`` kernel."""
+    Patch ``r * (W / p) + c`` is the one in patch row ``r``, column ``c``; each is
+    flattened in the order ``(C, p, p)``, the layout of a ``Conv2d`` kernel."""
     _check_images(images)
     B, C, H, W = images.shape
     rows, cols = patch_grid((H, W), patch_size)
@@ -75,67 +97,142 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
 class PatchEmbedding(nn.Module):
     """Patches to tokens: one ``Conv2d(in_channels, d_model, kernel_size=p, stride=p)``.
 
-    ``forward(images (B, C, H, W)) -> (B, N, d_model)`` with ``N = (H / p)(W / p)``, patches row by
-    row. The kernel never overlaps two patches, so this is the same as :func:`patchify` followed by
-    one linear layer ``C p^2 -> d_model`` whose weight is the kernel flattened."""
+    ``forward(images (B, C, H, W)) -> (B, N, d_model)`` with ``N = (H / p)(W / p)``,
+    patches row by row. The kernel never overlaps two patches, so this is the same as
+    :func:`patchify` followed by one linear layer ``C p^2 -> d_model`` whose weight is
+    the kernel flattened."""
 
     def __init__(self, patch_size: int, d_model: int, in_channels: int = 1):
         super().__init__()
         self.patch_size = check_positive_int("patch_size", patch_size)
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.d_model = check_positive_int("d_model", d_model)
-        self.proj = nn.Conv2d(self.in_channels, self.d_model, kernel_size=self.patch_size, stride=self.patch_size)
+        self.proj = nn.Conv2d(
+            self.in_channels,
+            self.d_model,
+            kernel_size=self.patch_size,
+            stride=self.patch_size,
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         _check_images(images, self.in_channels)
-        patch_grid(images.shape[-2:], self.patch_size)  # a clear error for a size that is not a multiple of p
+        # a clear error for a size that is not a multiple of p
+        patch_grid(images.shape[-2:], self.patch_size)
         x = self.proj(images)  # (B, d, H/p, W/p)
         return x.flatten(2).transpose(1, 2)  # (B, N, d)
 
 
-def resize_position_table(table: torch.Tensor, old_grid, new_grid, num_prefix: int = 1) -> torch.Tensor:
-    """A ViT position table for another patch grid: ``(num_prefix + h w, d) -> (num_prefix + H W, d)``.
+def resize_position_table(
+    table: torch.Tensor, old_grid, new_grid, num_prefix: int = 1
+) -> torch.Tensor:
+    """A ViT position table for another patch grid: ``(num_prefix + h w, d) ->
+    (num_prefix + H W, d)``.
 
-    The first ``num_prefix`` rows (the ``<cls>`` token's) belong to no patch and are kept as they
-    are; the patch rows are interpolated bicubically in 2D by :func:`~attnbook.positions.interpolate_grid`."""
+    The first ``num_prefix`` rows (the ``<cls>`` token's) belong to no patch and are
+    kept as they are; the patch rows are interpolated bicubically in 2D by
+    :func:`~attnbook.positions.interpolate_grid`."""
     (h, w), (H, W) = _pair("old_grid", old_grid), _pair("new_grid", new_grid)
     num_prefix = check_non_negative_int("num_prefix", num_prefix)
     if table.dim() != 2 or table.shape[0] != num_prefix + h * w:
-        raise ValueError(f"table must be (num_prefix + h*w, d) = ({num_prefix + h * w}, d) for grid {(h, w)} "
-                         f"and num_prefix={num_prefix}, got {tuple(table.shape)}")
-    prefix, patches = table[:num_prefix], table[num_prefix:]  # (num_prefix, d), (h*w, d)
-    return torch.cat([prefix, interpolate_grid(patches, (h, w), (H, W))])  # (num_prefix + H*W, d)
+        raise ValueError(
+            f"table must be (num_prefix + h*w, d) = ({num_prefix + h * w}, d) for grid "
+            f"{(h, w)} "
+            f"and num_prefix={num_prefix}, got {tuple(table.shape)}"
+        )
+    # (num_prefix, d), (h*w, d)
+    prefix, patches = table[:num_prefix], table[num_prefix:]
+    # (num_prefix + H*W, d)
+    return torch.cat([prefix, interpolate_grid(patches, (h, w), (H, W))])
+
+
+def mean_attention_distance(
+    weights: torch.Tensor, grid, patch_size: int, num_prefix: int = 0
+) -> torch.Tensor:
+    """How far each head looks, in pixels (the ViT paper's Figure 7): for weights
+    ``(B, h, T, T)`` over ``num_prefix`` special tokens then a ``grid`` of patches,
+    the distance between query and key patch centres weighted by the attention among
+    the patches (renormalised to sum to 1 per query), averaged over queries and images:
+    ``(h,)``. Attention to itself gives 0; uniform attention gives the grid's mean
+    pairwise distance."""
+    rows, cols = _pair("grid", grid)
+    patch_size = check_positive_int("patch_size", patch_size)
+    num_prefix = check_non_negative_int("num_prefix", num_prefix)
+    tokens = num_prefix + rows * cols
+    if weights.dim() != 4 or weights.shape[-2:] != (tokens, tokens):
+        raise ValueError(
+            f"weights must be (B, h, T, T) with T = {num_prefix} + {rows}*{cols} = "
+            f"{tokens}, got {tuple(weights.shape)}"
+        )
+    among = weights[..., num_prefix:, num_prefix:]  # (B, h, N, N)
+    among = among / among.sum(-1, keepdim=True)
+    r = torch.arange(rows * cols, device=weights.device) // cols
+    c = torch.arange(rows * cols, device=weights.device) % cols
+    dr, dc = r[:, None] - r[None], c[:, None] - c[None]  # (N, N)
+    distance = torch.sqrt((dr**2 + dc**2).to(among.dtype)) * patch_size  # (N, N)
+    return (among * distance).sum(-1).mean(dim=(0, 2))  # (h,)
 
 
 class ViT(nn.Module):
-    """Vision Transformer: patch embedding, ``<cls>`` token, learned positions, pre-norm encoder blocks.
+    """Vision Transformer: patch embedding, ``<cls>`` token, learned positions, pre-norm
+    encoder blocks.
 
-    ``forward(images (B, in_channels, H, W)) -> logits (B, num_classes)`` for images of the size
-    it was built (or last resized) for. ``pool="cls"`` puts a learned ``<cls>`` token in front of
-    the patches and classifies its output; ``pool="mean"`` has no ``<cls>`` token and classifies
-    the mean of the patch outputs. The position table ``positions.table`` has one row per token:
-    row 0 for ``<cls>`` (when there is one), then the patches row by row.
+    ``forward(images (B, in_channels, H, W)) -> logits (B, num_classes)`` for images of
+    the size it was built (or last resized) for. ``pool="cls"`` puts a learned ``<cls>``
+    token in front of the patches and classifies its output; ``pool="mean"`` has no
+    ``<cls>`` token and classifies the mean of the patch outputs. The position table
+    ``positions.table`` has one row per token: row 0 for ``<cls>`` (when there is one),
+    then the patches row by row. ``position_embedding="none"`` leaves the table out:
+    the model then sees a set of patches, and permuting them changes nothing (with mean
+    pooling, not even the logits).
     """
 
-    def __init__(self, image_size, patch_size: int, num_classes: int, d_model: int, num_heads: int,
-                 num_layers: int, in_channels: int = 1, pool: str = "cls", hidden: int | None = None,
-                 dropout: float = 0.0):
+    def __init__(
+        self,
+        image_size,
+        patch_size: int,
+        num_classes: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        in_channels: int = 1,
+        pool: str = "cls",
+        hidden: int | None = None,
+        dropout: float = 0.0,
+        position_embedding: str = "learned",
+    ):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-        patch_size, d_model = check_positive_int("patch_size", patch_size), check_positive_int("d_model", d_model)
+        if position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
+                f"got {position_embedding!r}"
+            )
+        patch_size, d_model = (
+            check_positive_int("patch_size", patch_size),
+            check_positive_int("d_model", d_model),
+        )
         self.grid = patch_grid(image_size, patch_size)  # (H/p, W/p)
         self.image_size = (self.grid[0] * patch_size, self.grid[1] * patch_size)
         self.pool = pool
         self.num_prefix = 1 if pool == "cls" else 0
         self.patch_embed = PatchEmbedding(patch_size, d_model, in_channels)
-        self.cls_token = nn.Parameter(torch.randn(1, 1, d_model) * 0.02) if pool == "cls" else None
-        self.positions = LearnedPositions(self.num_prefix + self.grid[0] * self.grid[1], d_model)
+        self.cls_token = (
+            nn.Parameter(torch.randn(1, 1, d_model) * 0.02) if pool == "cls" else None
+        )
+        self.positions = (
+            LearnedPositions(self.num_prefix + self.grid[0] * self.grid[1], d_model)
+            if position_embedding == "learned"
+            else None
+        )
         self.blocks = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, hidden, dropout, activation="gelu", norm="pre")
+            EncoderBlock(
+                d_model, num_heads, hidden, dropout, activation="gelu", norm="pre"
+            )
             for _ in range(check_positive_int("num_layers", num_layers))
         )
-        self.norm = nn.LayerNorm(d_model)  # pre-norm: the residual stream is normalised once, at the end
+        # pre-norm: the residual stream is normalised once, at the end
+        self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, check_positive_int("num_classes", num_classes))
 
     @property
@@ -144,17 +241,22 @@ class ViT(nn.Module):
         return self.num_prefix + self.grid[0] * self.grid[1]
 
     def tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """The encoder's output for every token, ``(B, num_tokens, d)`` (``<cls>`` first, if any)."""
+        """The encoder's output for every token, ``(B, num_tokens, d)`` (``<cls>``
+        first, if any)."""
         _check_images(images)
         if tuple(images.shape[-2:]) != self.image_size:
             raise ValueError(
-                f"this ViT takes {self.image_size[0]}x{self.image_size[1]} images (a {self.grid[0]}x{self.grid[1]} "
-                f"patch grid), got {images.shape[-2]}x{images.shape[-1]}; call resize() to move it to another size"
+                f"this ViT takes {self.image_size[0]}x{self.image_size[1]} images (a "
+                f"{self.grid[0]}x{self.grid[1]} "
+                f"patch grid), got {images.shape[-2]}x{images.shape[-1]}; call "
+                "resize() to move it to another size"
             )
         x = self.patch_embed(images)  # (B, N, d)
         if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, d)
-        x = self.positions(x)  # (B, T, d): one learned row per token
+            # (B, 1 + N, d)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        if self.positions is not None:
+            x = self.positions(x)  # (B, T, d): one learned row per token
         for block in self.blocks:
             x = block(x)  # (B, T, d)
         return self.norm(x)
@@ -165,9 +267,11 @@ class ViT(nn.Module):
         return self.head(pooled)  # (B, num_classes)
 
     def attention_weights(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Every block's attention weights for ``images``: a list of ``(B, h, T, T)``, first block first.
+        """Every block's attention weights for ``images``: a list of ``(B, h, T, T)``,
+        first block first.
 
-        Computed in eval mode (no dropout) without gradients; the caller's training mode is restored."""
+        Computed in eval mode (no dropout) without gradients; the caller's training mode
+        is restored."""
         for block in self.blocks:
             block.record_weights = True
         try:
@@ -180,42 +284,67 @@ class ViT(nn.Module):
 
     @torch.no_grad()
     def resize(self, image_size, positions: str = "interpolate") -> ViT:
-        """Move the model to images of ``image_size`` (same patch size, so another patch grid).
+        """Move the model to images of ``image_size`` (same patch size, so another patch
+        grid).
 
-        ``positions="interpolate"``: the patch rows of the position table are interpolated in 2D to
-        the new grid (:func:`resize_position_table`; the ``<cls>`` row is kept). ``positions="fresh"``:
-        new patch rows, initialised like a new model's (they must be trained); ``<cls>``'s row is kept.
-        Every other weight is unchanged. Returns ``self``.
+        ``positions="interpolate"``: the patch rows of the position table are
+        interpolated in 2D to the new grid (:func:`resize_position_table`; the ``<cls>``
+        row is kept). ``positions="fresh"``: new patch rows, initialised like a new
+        model's (they must be trained); ``<cls>``'s row is kept. Every other weight is
+        unchanged (a ViT without positions only changes its grid). Returns ``self``.
         """
         if positions not in ("interpolate", "fresh"):
-            raise ValueError(f"positions must be 'interpolate' or 'fresh', got {positions!r}")
+            raise ValueError(
+                f"positions must be 'interpolate' or 'fresh', got {positions!r}"
+            )
         new_grid = patch_grid(image_size, self.patch_embed.patch_size)
+        if self.positions is not None:
+            self._resize_table(new_grid, positions)
+        self.grid = new_grid
+        self.image_size = (
+            new_grid[0] * self.patch_embed.patch_size,
+            new_grid[1] * self.patch_embed.patch_size,
+        )
+        return self
+
+    def _resize_table(self, new_grid, positions: str) -> None:
+        """Replace the position table's patch rows for ``new_grid`` (see resize)."""
         table = self.positions.table  # (num_prefix + h*w, d)
         if positions == "interpolate":
-            new_table = resize_position_table(table, self.grid, new_grid, self.num_prefix)
+            new_table = resize_position_table(
+                table, self.grid, new_grid, self.num_prefix
+            )
         else:
-            fresh = torch.randn(new_grid[0] * new_grid[1], table.shape[1], device=table.device) * 0.02
+            fresh = (
+                torch.randn(
+                    new_grid[0] * new_grid[1], table.shape[1], device=table.device
+                )
+                * 0.02
+            )
             new_table = torch.cat([table[: self.num_prefix], fresh.to(table.dtype)])
-        self.positions.table = nn.Parameter(new_table.contiguous())  # (num_prefix + H*W, d)
-        self.grid = new_grid
-        self.image_size = (new_grid[0] * self.patch_embed.patch_size, new_grid[1] * self.patch_embed.patch_size)
-        return self
+        # (num_prefix + H*W, d)
+        self.positions.table = nn.Parameter(new_table.contiguous())
 
 
 class ResidualBlock(nn.Module):
-    """Two 3x3 convolutions with batch norm, added to the input (a projected shortcut when the
-    width or the stride changes): ``(B, C_in, H, W) -> (B, C_out, H / stride, W / stride)``."""
+    """Two 3x3 convolutions with batch norm, added to the input (a projected shortcut
+    when the width or the stride changes): ``(B, C_in, H, W) -> (B, C_out, H / stride, W
+    / stride)``."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(
+            in_channels, out_channels, 3, stride=stride, padding=1, bias=False
+        )
         self.bn1 = nn.BatchNorm2d(out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
         self.shortcut = nn.Identity()
         if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
-                                          nn.BatchNorm2d(out_channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))  # (B, C_out, H', W')
@@ -224,29 +353,52 @@ class ResidualBlock(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    """A small ResNet-style CNN: a 3x3 stem, one :class:`ResidualBlock` per width (each after the
-    first halves the resolution), global average pooling and a linear classifier.
+    """A small ResNet-style CNN: a 3x3 stem, one :class:`ResidualBlock` per width (each
+    after the first halves the resolution), global average pooling and a linear
+    classifier.
 
-    ``forward(images (B, in_channels, H, W)) -> logits (B, num_classes)``; any image size works
-    (the pooling removes the spatial dims). Its locality and translation equivariance are built in:
-    what a ViT has to learn from the data.
+    ``forward(images (B, in_channels, H, W)) -> logits (B, num_classes)``; any image
+    size works (the pooling removes the spatial dims). Its locality and translation
+    equivariance are built in: what a ViT has to learn from the data.
     """
 
-    def __init__(self, num_classes: int, widths=(16, 32, 64), in_channels: int = 1, stem_stride: int = 1):
+    def __init__(
+        self,
+        num_classes: int,
+        widths=(16, 32, 64),
+        in_channels: int = 1,
+        stem_stride: int = 1,
+    ):
         super().__init__()
-        widths = tuple(check_positive_int(f"widths[{i}]", width) for i, width in enumerate(widths))
+        widths = tuple(
+            check_positive_int(f"widths[{i}]", width) for i, width in enumerate(widths)
+        )
         if not widths:
-            raise ValueError("widths must be a non-empty sequence of positive ints, got ()")
+            raise ValueError(
+                "widths must be a non-empty sequence of positive ints, got ()"
+            )
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.stem = nn.Sequential(
-            nn.Conv2d(self.in_channels, widths[0], 3, stride=check_positive_int("stem_stride", stem_stride), padding=1,
-                      bias=False),
-            nn.BatchNorm2d(widths[0]), nn.ReLU(),
+            nn.Conv2d(
+                self.in_channels,
+                widths[0],
+                3,
+                stride=check_positive_int("stem_stride", stem_stride),
+                padding=1,
+                bias=False,
+            ),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(),
         )
-        self.stages = nn.Sequential(*(
-            ResidualBlock(widths[max(i - 1, 0)], width, stride=1 if i == 0 else 2) for i, width in enumerate(widths)
-        ))
-        self.head = nn.Linear(widths[-1], check_positive_int("num_classes", num_classes))
+        self.stages = nn.Sequential(
+            *(
+                ResidualBlock(widths[max(i - 1, 0)], width, stride=1 if i == 0 else 2)
+                for i, width in enumerate(widths)
+            )
+        )
+        self.head = nn.Linear(
+            widths[-1], check_positive_int("num_classes", num_classes)
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         _check_images(images, self.in_channels)
