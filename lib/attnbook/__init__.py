@@ -4,8 +4,9 @@ One module per concept, each standing on the ones before (imports only go downwa
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
 with data and train (datasets, the training loop), cost (formulas, timing), measure
 (timing helpers), bert (MiniLM-L6 in our encoder), vit (chapter 9), audio, whisper, ctc
-and metrics (chapter 10), distributed (the appendix: DDP and FSDP on gloo, imported on
-its own as ``attnbook.distributed``) and bench (``python -m attnbook.bench``).
+and metrics (chapter 10), flash (chapter 15: FlashAttention), distributed (the appendix:
+DDP and FSDP on gloo, imported on its own as ``attnbook.distributed``) and bench
+(``python -m attnbook.bench``).
 """
 
 from . import audio, bert, cost, ctc, data, measure, metrics, train, vit, whisper
@@ -26,6 +27,7 @@ from .ctc import (
     ctc_loss,
     ctc_prefix_beam_search,
 )
+from .flash import flash_attention
 from .generation import (
     SpeculativeStats,
     beam_search,
@@ -76,6 +78,7 @@ from .vit import PatchEmbedding, SmallResNet, ViT
 from .whisper import Transcriber, Whisper, load_whisper_tiny_en
 
 __all__ = [
+    "flash_attention",
     "AdditiveAttention",
     "DecoderBlock",
     "DecoderOnlyBlock",

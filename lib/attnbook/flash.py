@@ -1,0 +1,222 @@
+"""Chapter 15: FlashAttention's forward and backward, as a ``torch.autograd.Function``.
+
+:func:`flash_attention` computes exact attention tile by tile with the online softmax
+(Dao et al., 2022), in the loop order of FlashAttention-2 (Dao, 2023). The forward
+visits query tiles in its outer loop and key/value tiles in the inner one, and saves
+only the output ``O`` and the log-sum-exp ``L`` of every query row. The backward
+recomputes each tile's weights from ``L`` (key/value tiles outer, query tiles inner)
+and accumulates ``dQ``, ``dK``, ``dV``. What is kept for the backward grows as ``T``,
+not ``T^2``; the price is one extra matrix product per tile.
+
+Shapes: q ``(B, h, Tq, d)``, k ``(B, h, Tk, d)``, v ``(B, h, Tk, dv)``; out
+``(B, h, Tq, dv)``. ``is_causal=True`` aligns the causal mask to the bottom right, as
+the rest of the library does (query ``i`` is token ``Tk - Tq + i``); a query that sees
+no key gets output 0, never NaN. :func:`flash_tiles` lists the tiles the loops compute
+(the causal skip included) and :func:`flash_tile_count` counts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import _check_qkv
+from .utils import check_positive_int
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _key_stop(q_stop: int, n_q: int, n_k: int, is_causal: bool) -> int:
+    """Keys ``0 .. stop - 1`` are visible to the last query of a tile ending at
+    ``q_stop`` (every key without a causal mask)."""
+    if not is_causal:
+        return n_k
+    return max(0, min(n_k, q_stop + n_k - n_q))
+
+
+def _first_query(k_start: int, n_q: int, n_k: int, block: int, is_causal: bool) -> int:
+    """Start of the first query tile that sees key ``k_start`` (0 without a mask)."""
+    if not is_causal:
+        return 0
+    first_row = max(0, k_start - (n_k - n_q))  # the first query that sees key k_start
+    return first_row // block * block
+
+
+def flash_tiles(
+    query_len: int, key_len: int, block_size: int, is_causal: bool = False
+) -> list[tuple[int, int, int, int]]:
+    """The tiles ``(q_start, q_stop, k_start, k_stop)`` that :func:`flash_attention`
+    computes, in its forward's order (query tiles outer, key tiles inner); the backward
+    computes the same set with key tiles outer. With ``is_causal=True`` a tile whose
+    keys all lie in the future of all its queries is skipped (bottom-right alignment).
+    """
+    query_len = check_positive_int("query_len", query_len)
+    key_len = check_positive_int("key_len", key_len)
+    block_size = check_positive_int("block_size", block_size)
+    _check_bool("is_causal", is_causal)
+    tiles = []
+    for q_start in range(0, query_len, block_size):
+        q_stop = min(q_start + block_size, query_len)
+        key_stop = _key_stop(q_stop, query_len, key_len, is_causal)
+        for k_start in range(0, key_stop, block_size):
+            tiles.append((q_start, q_stop, k_start, min(k_start + block_size, key_len)))
+    return tiles
+
+
+def flash_tile_count(
+    query_len: int, key_len: int, block_size: int, is_causal: bool = False
+) -> int:
+    """How many tiles :func:`flash_attention` computes, in the forward and again in the
+    backward: ``ceil(Tq / b) * ceil(Tk / b)``, fewer with ``is_causal=True``."""
+    return len(flash_tiles(query_len, key_len, block_size, is_causal))
+
+
+def _mask_future_(scores: torch.Tensor, q_start: int, k_start: int, offset: int):
+    """Set to ``-inf``, in place, the entries of a ``(..., bq, bk)`` tile whose key lies
+    in its query's future (query row ``i`` is token ``i + offset``)."""
+    rows, cols = scores.shape[-2:]
+    if k_start + cols - 1 <= q_start + offset:  # the first query sees every key
+        return
+    device = scores.device
+    query_pos = torch.arange(q_start + offset, q_start + offset + rows, device=device)
+    key_pos = torch.arange(k_start, k_start + cols, device=device)
+    scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """The autograd function behind :func:`flash_attention` (call that: it checks).
+
+    ``forward(q, k, v, is_causal, block_size)`` saves ``q, k, v``, the output and the
+    log-sum-exp of every row; ``backward`` recomputes the weights tile by tile."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal: bool, block_size: int):
+        B, h, n_q, d = q.shape
+        n_k, dv = k.shape[-2], v.shape[-1]
+        compute = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype
+        qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)  # no copy in fp32
+        scale = 1.0 / math.sqrt(d)
+        out = q.new_empty(B, h, n_q, dv, dtype=compute)
+        lse = q.new_empty(B, h, n_q, 1, dtype=compute)  # log-sum-exp of each row
+        for q_start in range(0, n_q, block_size):  # outer loop: query tiles
+            q_stop = min(q_start + block_size, n_q)
+            q_tile = qc[:, :, q_start:q_stop] * scale  # (B, h, bq, d)
+            m = q.new_full((B, h, q_stop - q_start, 1), -math.inf, dtype=compute)
+            l = torch.zeros_like(m)  # running sum of exp(s - m)  # noqa: E741
+            acc = q.new_zeros(B, h, q_stop - q_start, dv, dtype=compute)
+            key_stop = _key_stop(q_stop, n_q, n_k, is_causal)  # later keys: future
+            for k_start in range(0, key_stop, block_size):  # inner loop: key tiles
+                k_stop = min(k_start + block_size, n_k)
+                k_tile = kc[:, :, k_start:k_stop]  # (B, h, bk, d)
+                s = q_tile @ k_tile.transpose(-2, -1)  # (B, h, bq, bk)
+                if is_causal:
+                    _mask_future_(s, q_start, k_start, n_k - n_q)
+                m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (B, h, bq, 1)
+                m_safe = m_new.nan_to_num(neginf=0.0)  # a row with no key yet: no NaN
+                p = torch.exp(s - m_safe)  # (B, h, bq, bk)
+                correction = torch.exp(m - m_safe)  # (B, h, bq, 1): rescales old sums
+                l = l * correction + p.sum(dim=-1, keepdim=True)  # noqa: E741
+                acc = acc * correction + p @ vc[:, :, k_start:k_stop]  # (B, h, bq, dv)
+                m = m_new
+            out[:, :, q_start:q_stop] = acc / l.clamp_min(torch.finfo(compute).tiny)
+            # L = m + log l; +inf in a row with no visible key, so exp(s - L) = 0 there
+            row_lse = (m + torch.log(l)).masked_fill(l == 0, math.inf)  # (B, h, bq, 1)
+            lse[:, :, q_start:q_stop] = row_lse
+        ctx.save_for_backward(q, k, v, out, lse)  # O(T d) numbers: no T x T tensor
+        ctx.is_causal, ctx.block_size = is_causal, block_size
+        return out.to(q.dtype)  # (B, h, Tq, dv)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: a graph of this backward
+            raise RuntimeError(
+                "flash_attention's backward gives first derivatives only: "
+                "create_graph=True (a second derivative) is not supported"
+            )
+        q, k, v, out, lse = ctx.saved_tensors
+        is_causal, block_size = ctx.is_causal, ctx.block_size
+        n_q, d = q.shape[-2:]
+        n_k = k.shape[-2]
+        compute = out.dtype
+        qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+        do = grad_out.to(compute)  # (B, h, Tq, dv)
+        scale = 1.0 / math.sqrt(d)
+        D = (do * out).sum(dim=-1, keepdim=True)  # (B, h, Tq, 1): rowsum(dO * O)
+        q_scaled = qc * scale  # (B, h, Tq, d)
+        dq = torch.zeros_like(qc)  # (B, h, Tq, d)
+        dk = torch.empty_like(kc)  # (B, h, Tk, d)
+        dv = torch.empty_like(vc)  # (B, h, Tk, dv)
+        for k_start in range(0, n_k, block_size):  # outer loop: key/value tiles
+            k_stop = min(k_start + block_size, n_k)
+            k_tile = kc[:, :, k_start:k_stop]  # (B, h, bk, d)
+            v_tile = vc[:, :, k_start:k_stop]  # (B, h, bk, dv)
+            dk_tile = torch.zeros_like(k_tile)
+            dv_tile = torch.zeros_like(v_tile)
+            first = _first_query(k_start, n_q, n_k, block_size, is_causal)
+            for q_start in range(first, n_q, block_size):  # inner loop: query tiles
+                q_stop = min(q_start + block_size, n_q)
+                q_tile = q_scaled[:, :, q_start:q_stop]  # (B, h, bq, d)
+                s = q_tile @ k_tile.transpose(-2, -1)  # (B, h, bq, bk): recomputed
+                if is_causal:
+                    _mask_future_(s, q_start, k_start, n_k - n_q)
+                p = torch.exp(s - lse[:, :, q_start:q_stop])  # (B, h, bq, bk): weights
+                do_tile = do[:, :, q_start:q_stop]  # (B, h, bq, dv)
+                dv_tile += p.transpose(-2, -1) @ do_tile  # dV = P^T dO
+                dp = do_tile @ v_tile.transpose(-2, -1)  # (B, h, bq, bk): dO V^T
+                ds = p * (dp - D[:, :, q_start:q_stop])  # dS = P * (dP - D)
+                dq[:, :, q_start:q_stop] += (ds @ k_tile) * scale  # dS K / sqrt(d)
+                dk_tile += ds.transpose(-2, -1) @ q_tile  # dS^T Q / sqrt(d)
+            dk[:, :, k_start:k_stop] = dk_tile
+            dv[:, :, k_start:k_stop] = dv_tile
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    block_size: int = 64,
+) -> torch.Tensor:
+    """Exact attention ``softmax(q k^T / sqrt(d)) v``, tiled, with a backward that
+    recomputes the weights instead of storing them.
+
+    q ``(B, h, Tq, d)``, k ``(B, h, Tk, d)``, v ``(B, h, Tk, dv)``, of one float dtype
+    and device; returns ``(B, h, Tq, dv)``. A tile is ``block_size`` queries by
+    ``block_size`` keys (the last ones shorter when ``T`` is not a multiple of it).
+    ``is_causal=True`` masks the future, aligned to the bottom right, and skips the
+    tiles entirely in it. fp16 / bf16 are computed in fp32 and the results cast back;
+    autocast is switched off inside (the tiles run in the inputs' dtype).
+    """
+    _check_qkv(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims (B, h, T, d), got shape {tuple(t.shape)}"
+            )
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        raise ValueError(f"q, k and v must share (B, h), got {shapes}")
+    sizes = {"Tq": q.shape[2], "Tk": k.shape[2], "d": q.shape[3], "dv": v.shape[3]}
+    for name, size in sizes.items():
+        if size == 0:
+            raise ValueError(f"flash_attention needs {name} >= 1, got {shapes}")
+    _check_bool("is_causal", is_causal)
+    block_size = check_positive_int("block_size", block_size)
+    with torch.autocast(q.device.type, enabled=False):
+        return FlashAttentionFunction.apply(q, k, v, is_causal, block_size)
+
+
+__all__ = [
+    "FlashAttentionFunction",
+    "flash_attention",
+    "flash_tile_count",
+    "flash_tiles",
+]
