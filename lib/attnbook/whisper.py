@@ -539,13 +539,12 @@ class Transcriber:
             new = tokens[len(self.prompt) :]
             return new[:-1] if new and new[-1] == self.end_token else new
         prompt = torch.tensor([self.prompt], device=self.device)  # (1, T0)
-        tokens = generate(
+        tokens = generate(  # (1, T0 + new)
             self.model,
             prompt,
             max_new_tokens,
             mel=mel,
             end_token=self.end_token,
-            # (1, T0 + new)
             suppress=self.suppress,
             suppress_at_start=self.suppress_at_start,
         )
