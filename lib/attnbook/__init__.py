@@ -4,9 +4,9 @@ One module per concept, each standing on the ones before (imports only go downwa
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
 with data and train (datasets, the training loop), cost (formulas, timing), measure
 (timing helpers), bert (MiniLM-L6 in our encoder), vit (chapter 9), audio, whisper, ctc
-and metrics (chapter 10), flash (chapter 15: FlashAttention), distributed (the appendix:
-DDP and FSDP on gloo, imported on its own as ``attnbook.distributed``) and bench
-(``python -m attnbook.bench``).
+and metrics (chapter 10), flash (chapter 15: FlashAttention), interpretability (chapter
+16: induction heads), distributed (the appendix: DDP and FSDP on gloo, imported on its
+own as ``attnbook.distributed``) and bench (``python -m attnbook.bench``).
 """
 
 from . import audio, bert, cost, ctc, data, measure, metrics, train, vit, whisper
@@ -37,6 +37,7 @@ from .generation import (
     speculative_generate,
     truncate_logits,
 )
+from .interpretability import induction_score, previous_token_score
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .models import (
     GPT,
@@ -79,6 +80,8 @@ from .whisper import Transcriber, Whisper, load_whisper_tiny_en
 
 __all__ = [
     "flash_attention",
+    "induction_score",
+    "previous_token_score",
     "AdditiveAttention",
     "DecoderBlock",
     "DecoderOnlyBlock",
