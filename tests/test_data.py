@@ -292,3 +292,56 @@ def test_stratified_split(mnist, monkeypatch):
         data.stratified_split(labels, 0.0)
     with pytest.raises(ValueError, match="1-D integer"):
         data.stratified_split(labels.float(), 0.5)
+
+
+def _shifted(image, dr, dc):
+    """``image (C, H, W)`` moved down by ``dr`` and right by ``dc`` pixels, zeros
+    filling in: built by hand with slicing."""
+    C, H, W = image.shape
+    out = torch.zeros_like(image)
+    out[:, max(dr, 0) : H + min(dr, 0), max(dc, 0) : W + min(dc, 0)] = image[
+        :, max(-dr, 0) : H - max(dr, 0), max(-dc, 0) : W - max(dc, 0)
+    ]
+    return out
+
+
+def test_random_shift_moves_each_image_by_its_own_shift():
+    images = torch.rand(400, 2, 5, 6)
+    shifted = data.random_shift(images, 1, torch.Generator().manual_seed(0))
+    assert shifted.shape == images.shape
+    used = []
+    for image, out in zip(images, shifted, strict=True):
+        matches = [
+            (dr, dc)
+            for dr in (-1, 0, 1)
+            for dc in (-1, 0, 1)
+            if torch.equal(out, _shifted(image, dr, dc))
+        ]
+        assert len(matches) == 1  # exactly one shift in -1..1 x -1..1, both channels
+        used.append(matches[0])
+    counts = torch.tensor(
+        [used.count((dr, dc)) for dr in (-1, 0, 1) for dc in (-1, 0, 1)]
+    )
+    assert counts.min() >= 20  # all nine shifts drawn, about 400 / 9 = 44 each
+    again = data.random_shift(images, 1, torch.Generator().manual_seed(0))
+    assert torch.equal(again, shifted)  # the generator decides the shifts
+    assert torch.equal(data.random_shift(images, 0), images)
+    far = data.random_shift(
+        torch.ones(50, 1, 4, 4), 3, torch.Generator().manual_seed(1)
+    )
+    assert far.sum((1, 2, 3)).min() >= 1  # at most 3 of 4 rows and columns leave
+
+
+def test_random_shift_rejects_bad_inputs():
+    with pytest.raises(
+        ValueError, match=r"float tensor \(B, C, H, W\), got torch.float32 \(3, 4, 4\)"
+    ):
+        data.random_shift(torch.rand(3, 4, 4), 1)
+    with pytest.raises(ValueError, match="float tensor"):
+        data.random_shift(torch.ones(1, 1, 4, 4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="max_shift must be an int >= 0, got -1"):
+        data.random_shift(torch.rand(1, 1, 4, 4), -1)
+    with pytest.raises(ValueError, match="max_shift"):
+        data.random_shift(torch.rand(1, 1, 4, 4), 1.5)
+    with pytest.raises(ValueError, match="smaller than the image side 3, got 3"):
+        data.random_shift(torch.rand(1, 1, 3, 8), 3)

@@ -229,3 +229,39 @@ def test_train_classifier_draws_seeded_batches(monkeypatch):
         train_classifier(nn.Linear(3, 2), inputs, labels, steps=5, batch_size=0)
     with pytest.raises(ValueError, match="labels must be an int64 tensor .N,. matching"):
         train_classifier(nn.Linear(3, 2), inputs, labels[:5], steps=5)
+
+
+def test_train_classifier_augments_each_batch_and_evaluates():
+    inputs = torch.rand(32, 3)
+    labels = (inputs[:, 0] > 0.5).long()
+    seen = []
+
+    def augment(x):
+        seen.append(x.clone())
+        return x + 1.0
+
+    model = nn.Linear(3, 2)
+    calls = []
+    history = train_classifier(
+        model,
+        inputs,
+        labels,
+        steps=6,
+        batch_size=8,
+        augment=augment,
+        eval_fn=lambda m: calls.append(m.training) or len(calls),
+        eval_every=2,
+    )
+    assert len(seen) == 6 and all(x.shape == (8, 3) for x in seen)
+    # the batches handed to augment are rows of the training set
+    assert all((x[:, None] == inputs[None]).all(-1).any(1).all() for x in seen)
+    assert history.eval_steps == [2, 4, 6] and history.evals == [1, 2, 3]
+    assert calls == [False, False, False]  # evaluated in eval mode
+    with pytest.raises(TypeError, match="augment must be callable, got int"):
+        train_classifier(model, inputs, labels, steps=2, augment=3)
+    with pytest.raises(
+        ValueError, match=r"augment must keep the batch's shape \(8, 3\)"
+    ):
+        train_classifier(
+            model, inputs, labels, steps=2, batch_size=8, augment=lambda x: x[:4]
+        )

