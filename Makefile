@@ -6,12 +6,13 @@
 #   make lab       JupyterLab on book/
 #   make execute   re-execute every notebook in place (NB=book/01_attention.ipynb for one; JOBS=2 runs
 #                  two at a time, one thread each: on 2 cores the whole book finishes sooner)
-#   make robust    re-execute every notebook twice more, with other seeds and other CPU kernels,
-#                  into a temporary folder; fails if any cell raises (NB= works here too)
+#   make robust    re-execute every notebook once more, with another seed offset and other CPU
+#                  kernels (alternating by notebook), into a temporary folder; fails if any cell
+#                  raises (NB= works here too; ROBUST=both runs each notebook under both variants)
 #   make timings   execute every notebook into a temporary folder and print a table of their times
 #                  (JOBS=2 as for execute: the wall time of the whole book two at a time)
 #   make sweep NB=book/09_vit.ipynb [OFFSETS=10]  execute one notebook under seed offsets 0..9 (or
-#                  OFFSETS=3,7,11), kernels alternating avx2/default; reports failing asserts and the
+#                  OFFSETS=3,7,11), kernel families alternating; reports failing asserts and the
 #                  spread of every printed figure, to set thresholds from (about 10 minutes a notebook)
 #   make gpu-settings  execute every notebook on the CPU with the longer trainings a GPU gets, into a
 #                  temporary folder; fails if any cell raises (about 13 minutes on 2 cores)
@@ -58,7 +59,7 @@ JB_BUILD := $(BIN)/python scripts/make_source_archive.py && \
 .PHONY: help venv book test unit nbval robust sweep timings gpu-settings gpu-test site lab execute lint clean
 
 help:
-	@sed -n '2,21p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,22p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- environment -----------------------------------------------------------------------------
 
@@ -79,18 +80,26 @@ book: $(STAMP)
 
 # --- tests -----------------------------------------------------------------------------------
 
+# Each stage of `make test` appends its time to _build/stage-times.txt (scripts/timed.sh), printed at
+# the end here and by .ci/run, also when a stage failed.
+TIMED := scripts/timed.sh _build/stage-times.txt
+
 test: $(STAMP)
-	$(BIN)/ruff check .
-	$(MAKE) --no-print-directory unit
-	$(MAKE) --no-print-directory nbval
-	$(MAKE) --no-print-directory robust
-	$(JB_BUILD)
-	$(MAKE) --no-print-directory site
+	@mkdir -p _build; rm -f _build/stage-times.txt
+	$(TIMED) "ruff" $(BIN)/ruff check .
+	$(TIMED) "unit tests" $(MAKE) --no-print-directory unit
+	$(TIMED) "nbval (every notebook)" $(MAKE) --no-print-directory nbval
+	$(TIMED) "make robust" $(MAKE) --no-print-directory robust
+	$(TIMED) "book build" $(MAKE) --no-print-directory book
+	$(TIMED) "site test" $(MAKE) --no-print-directory site
 	@echo; echo "Notebook times of the robust runs (make timings re-runs them with the normal settings):"; \
 		cat _build/robust-timings.md 2>/dev/null || echo '(no table: make robust did not finish)'
+	@echo; echo "Stage times:"; cat _build/stage-times.txt
 
+# Two test processes (pytest-xdist) on one thread each: on 2 cores the library's tests take half the
+# time of one process (two processes on two threads each fight over the cores and take twice as long).
 unit: $(STAMP)
-	$(BIN)/pytest tests -q --ignore=tests/test_site.py
+	OMP_NUM_THREADS=1 $(BIN)/pytest tests -q -p no:cacheprovider -n 2 --ignore=tests/test_site.py
 
 # Two notebooks at a time (pytest-xdist, --dist loadscope keeps each notebook's cells on one worker and
 # in order), each kernel on one thread: the book's small models do not keep two threads busy, so on
@@ -99,27 +108,27 @@ nbval: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope \
 		--ignore=_build --ignore-glob='*.ipynb_checkpoints*' book/
 
-# Every claim must hold on every machine: each notebook is executed twice more, with the seeds
-# shifted (ATTNBOOK_SEED_OFFSET, read by attnbook.seed_everything and attnbook.generator) and with
-# PyTorch's other CPU kernel families (ATEN_CPU_CAPABILITY), into a temporary folder: the
-# committed notebooks are never touched and stored outputs are not compared, but every assert
-# must hold. (On a CPU without AVX-512 the avx2 run uses the default kernels of the normal run.)
-# The two runs go side by side, one thread each: on a 2-core machine that takes about as long as one
-# run (the book's models are small, and two processes use the cores better than two threads).
+# Every claim must hold on every machine: each notebook is executed once more, into a temporary
+# folder, with the seeds shifted (ATTNBOOK_SEED_OFFSET, read by attnbook.seed_everything and
+# attnbook.generator) and another family of CPU kernels (ATEN_CPU_CAPABILITY and the instructions
+# MKL and oneDNN may use: scripts/execute_notebooks.py, KERNEL_FAMILIES): in book order the notebooks
+# alternate between offset 1 with the avx2 family and offset 2 with the default family, so both
+# families run across the book. The committed notebooks are never touched and stored outputs are
+# not compared, but every assert must hold. The margins themselves come from sweeps over ten offsets
+# and both families (make sweep); ROBUST=both runs every notebook under both variants. Two
+# notebooks at a time, one thread each, as nbval.
+ROBUST ?= alternate
 robust: $(STAMP)
-	@out=$$(mktemp -d); \
-	run() { ATEN_CPU_CAPABILITY=$$1 ATTNBOOK_SEED_OFFSET=$$2 OMP_NUM_THREADS=1 \
-		$(BIN)/python scripts/execute_notebooks.py --out "$$out/$$1" $(NB) > "$$out/$$1.log" 2>&1; }; \
-	echo "make robust: ATEN_CPU_CAPABILITY=avx2 ATTNBOOK_SEED_OFFSET=1 and ATEN_CPU_CAPABILITY=default ATTNBOOK_SEED_OFFSET=2"; \
-	run avx2 1 & first=$$!; run default 2 & second=$$!; \
-	status=0; wait $$first || status=1; wait $$second || status=1; \
-	for name in avx2 default; do echo "--- $$name:"; grep -v "Kernel is running over TCP" "$$out/$$name.log"; done; \
-	mkdir -p _build; cat "$$out"/*/timings.md > _build/robust-timings.md 2>/dev/null || true; \
+	@test "$(ROBUST)" = alternate -o "$(ROBUST)" = both || { echo "ROBUST must be alternate or both, got '$(ROBUST)'" >&2; exit 2; }
+	@out=$$(mktemp -d); status=0; \
+	$(BIN)/python scripts/execute_notebooks.py --robust $(if $(filter both,$(ROBUST)),--both) --jobs 2 \
+		--out "$$out" $(NB) 2>&1 | grep --line-buffered -v "Kernel is running over TCP" || status=1; \
+	mkdir -p _build; cp "$$out/timings.md" _build/robust-timings.md 2>/dev/null || true; \
 	rm -rf "$$out"; exit $$status
 
 # A threshold set from the two seeds of `make robust` is not a margin. This executes NB under
-# ATTNBOOK_SEED_OFFSET = 0..OFFSETS-1 (or a list, OFFSETS=3,7,11), ATEN_CPU_CAPABILITY avx2 at odd
-# offsets and default at even ones, two runs at a time on one thread each, into a temporary folder;
+# ATTNBOOK_SEED_OFFSET = 0..OFFSETS-1 (or a list, OFFSETS=3,7,11), the avx2 kernel family at odd
+# offsets and the default family at even ones, two runs at a time on one thread each, into a temporary folder;
 # it prints which asserts fail at which offset and, for every printed number, its min, max and mean
 # over the offsets. Fails if any offset fails.
 OFFSETS ?= 10

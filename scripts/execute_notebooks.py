@@ -1,6 +1,7 @@
 """Execute notebooks top to bottom, in place; a notebook is replaced only when its whole run succeeded.
 
-Usage: python scripts/execute_notebooks.py [--out DIR] [--jobs N] [NOTEBOOK ...]   (default: every book/NN_*.ipynb)
+Usage: python scripts/execute_notebooks.py [--out DIR] [--jobs N] [--robust [--both]] [NOTEBOOK ...]
+       (default: every book/NN_*.ipynb)
 
 With ``--out DIR`` the executed notebooks are written to DIR and the originals are never touched
 (``make robust`` and ``make timings`` use it); the notebooks still run with book/ as their working
@@ -11,6 +12,13 @@ With ``--jobs N`` (default 1) N notebooks run at once, each kernel with ``cores 
 (``OMP_NUM_THREADS``). The book's models are small, so on 2 cores two notebooks on one thread each
 finish the book sooner than one after another on two threads; each notebook's own time is then
 longer, and the 90 s budget (one notebook alone on 2 cores) is not checked.
+
+With ``--robust`` (``make robust``) each notebook runs once more under another seed offset and other
+CPU kernels, into ``--out``: in book order the notebooks alternate between seed offset 1 with the
+avx2 kernel family and seed offset 2 with the default (plain) family, so that both families run
+across the book in half the time of running each notebook under both. ``--both`` runs each
+notebook under both. The margins of the claims come from sweeps over ten offsets and both families
+(scripts/sweep_notebooks.py); this run checks that they still hold on a fresh draw.
 
 Progress bars write carriage returns to stderr many times a second; before saving, consecutive
 stream outputs are merged and each line keeps only what a terminal would show after its last
@@ -31,6 +39,39 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The CPU kernel families a claim is checked on (make robust, make sweep). PyTorch's own kernels
+# follow ATEN_CPU_CAPABILITY, but its matrix products come from MKL and many convolutions from
+# oneDNN, which choose their instructions themselves: under ATEN_CPU_CAPABILITY=avx2 alone an
+# AVX-512 machine still multiplies with AVX-512 and rounds as before, while a CPU with AVX2 only
+# (an AMD EPYC, say) multiplies otherwise. So a family caps all three libraries. On an ARM CPU
+# these variables change nothing, and on a CPU without AVX2 the avx2 family runs what it has.
+KERNEL_FAMILIES = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+ROBUST_OFFSETS = (1, 2)  # make robust: offset 1 (avx2) and offset 2 (default), alternating by notebook
+
+
+def kernel_family(offset: int) -> str:
+    """The kernel family a seed offset runs with: avx2 at odd offsets, default at even ones."""
+    return "avx2" if offset % 2 else "default"
+
+
+def variant_env(offset: int) -> dict[str, str]:
+    """The environment of a run at seed ``offset``, with its kernel family (see KERNEL_FAMILIES)."""
+    return {"ATTNBOOK_SEED_OFFSET": str(offset), **KERNEL_FAMILIES[kernel_family(offset)]}
+
+
+def robust_offsets(path: Path, both: bool = False) -> tuple[int, ...]:
+    """The seed offsets make robust runs ``path`` at: one of ROBUST_OFFSETS, alternating with the
+    notebook's place among the NN_*.ipynb of its folder (the book's order), or both."""
+    if both:
+        return ROBUST_OFFSETS
+    names = [p.name for p in sorted(path.parent.glob("[0-9][0-9]_*.ipynb"))]
+    place = names.index(path.name) if path.name in names else 0
+    return (ROBUST_OFFSETS[place % len(ROBUST_OFFSETS)],)
 
 
 def resolve_carriage_returns(text: str) -> str:
@@ -59,7 +100,7 @@ def tidy_streams(nb) -> None:
         cell.outputs = [out for out in merged if out.output_type != "stream" or out.text.strip()]
 
 
-def execute(path: Path, out_dir: Path | None = None) -> float:
+def execute(path: Path, out_dir: Path | None = None, out_name: str | None = None) -> float:
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     resources = {"metadata": {"path": str(path.parent)}}  # run with book/ as the working directory
@@ -67,7 +108,7 @@ def execute(path: Path, out_dir: Path | None = None) -> float:
     client.execute()
     elapsed = time.perf_counter() - start
     tidy_streams(nb)
-    nbformat.write(nb, path if out_dir is None else out_dir / path.name)
+    nbformat.write(nb, path if out_dir is None else out_dir / (out_name or path.name))
     return elapsed
 
 
@@ -88,7 +129,8 @@ def machine() -> str:
         torch_version = version("torch")
     except Exception:
         torch_version = "?"
-    names = ("ATEN_CPU_CAPABILITY", "ATTNBOOK_SEED_OFFSET", "OMP_NUM_THREADS")
+    names = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATTNBOOK_SEED_OFFSET",
+             "OMP_NUM_THREADS")
     settings = " ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
     return f"{model}, {os.cpu_count()} cores, torch {torch_version}" + (f", {settings}" if settings else "")
 
@@ -115,16 +157,32 @@ def _limit_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read by torch in every kernel this process starts
 
 
-def _run(path: Path, out_dir: Path | None) -> tuple[Path, float | None, str]:
+def _run(path: Path, out_dir: Path | None, offset: int | None = None) -> tuple[Path, int | None, float | None, str]:
+    """Execute one notebook; with ``offset``, under that seed offset and its kernel family (the
+    kernel started for it inherits this process's environment, set here for the one run)."""
+    env = variant_env(offset) if offset is not None else {}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
-        return path, execute(path, out_dir), ""
+        out_name = None if offset is None else f"{path.stem}.offset{offset}.ipynb"
+        return path, offset, execute(path, out_dir, out_name), ""
     except Exception as error:  # keep the old notebook, report, go on
-        return path, None, re.sub(r"\x1b\[[0-9;]*m", "", str(error))[-3000:]
+        return path, offset, None, re.sub(r"\x1b\[[0-9;]*m", "", str(error))[-3000:]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main(argv: list[str]) -> int:
-    out_dir, jobs = None, 1
-    while argv[:1] in (["--out"], ["--jobs"]):
+    out_dir, jobs, robust, both = None, 1, False, False
+    while argv[:1] in (["--out"], ["--jobs"], ["--robust"], ["--both"]):
+        if argv[0] in ("--robust", "--both"):
+            robust, both = True, both or argv[0] == "--both"
+            argv = argv[1:]
+            continue
         if len(argv) < 2:
             print(f"{argv[0]} needs a value", file=sys.stderr)
             return 2
@@ -137,30 +195,43 @@ def main(argv: list[str]) -> int:
         else:
             jobs = int(argv[1])
         argv = argv[2:]
+    if robust and out_dir is None:
+        print("--robust needs --out DIR: its runs never replace the committed notebooks", file=sys.stderr)
+        return 2
     paths = [Path(p) for p in argv] or sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    tasks = [(path, offset) for path in paths for offset in (robust_offsets(path, both) if robust else [None])]
     failed, times = [], {}
     start = time.perf_counter()
     if jobs == 1:
-        results = (_run(path, out_dir) for path in paths)
+        results = (_run(path, out_dir, offset) for path, offset in tasks)
     else:
         pool = ProcessPoolExecutor(jobs, initializer=_limit_threads, initargs=(threads_per_job(jobs),))
-        results = (future.result() for future in as_completed([pool.submit(_run, p, out_dir) for p in paths]))
-    for path, seconds, error in results:
+        futures = [pool.submit(_run, path, out_dir, offset) for path, offset in tasks]
+        results = (future.result() for future in as_completed(futures))
+    for path, offset, seconds, error in results:
+        label = path.name if offset is None else f"{path.name} (offset {offset}, {kernel_family(offset)} kernels)"
         if seconds is None:
             failed.append(path)
-            print(f"FAILED {path}: {error}", file=sys.stderr)
+            print(f"FAILED {label}: {error}", file=sys.stderr)
             continue
-        print(f"{path}: executed in {seconds:.1f} s", flush=True)
-        times[path.name] = seconds
+        print(f"{label}: executed in {seconds:.1f} s", flush=True)
+        times[path.name, offset] = seconds
     wall = time.perf_counter() - start
     if jobs > 1:
         pool.shutdown()
-        times = {path.name: times[path.name] for path in paths if path.name in times}  # book order
-    if len(times) > 1:
-        table = timings_table(times, jobs, wall if jobs > 1 else None)
+    ordered = {}  # book order
+    for path, offset in tasks:
+        if (path.name, offset) in times:
+            name = path.name if offset is None else f"{path.name} ({offset}, {kernel_family(offset)})"
+            ordered[name] = times[path.name, offset]
+    if len(ordered) > 1:
+        table = timings_table(ordered, jobs, wall if jobs > 1 else None)
         print("\n" + table)
         if out_dir is not None:
             (out_dir / "timings.md").write_text(table + "\n")
+    if failed:
+        print(f"\n{len(failed)} notebook run(s) failed: " + ", ".join(sorted({p.name for p in failed})),
+              file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -6,9 +6,11 @@ Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--job
 
 ``make robust`` runs each notebook at two seed offsets; a threshold set from those few runs is not a
 margin. This runs a notebook under ``ATTNBOOK_SEED_OFFSET`` = 0 .. N-1 (default N = 10), or the
-offsets listed (``3,7,11``; ranges such as ``10-19`` too; one offset alone: ``7,``), with
-``ATEN_CPU_CAPABILITY`` alternating between ``avx2`` (odd offsets) and ``default`` (even offsets), as
-``make robust`` does, so both kernel families are covered. Each run has ``OMP_NUM_THREADS=1``;
+offsets listed (``3,7,11``; ranges such as ``10-19`` too; one offset alone: ``7,``), with the CPU
+kernel family alternating between ``avx2`` (odd offsets) and ``default`` (even offsets), as ``make
+robust`` pairs them, so both families are covered and a margin is taken over both. A family caps
+PyTorch's own kernels and the instructions of MKL and oneDNN, which do the matrix products and
+convolutions (execute_notebooks.KERNEL_FAMILIES). Each run has ``OMP_NUM_THREADS=1``;
 ``--jobs`` (default 2) run at once. Every run is executed into a temporary folder (kept with
 ``--keep DIR``): the committed notebook is never touched. ``--from DIR`` runs nothing and reports on
 the runs kept in DIR (those of the offsets asked for that are there).
@@ -55,8 +57,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def capability(offset: int) -> str:
-    """The CPU kernels a run gets: avx2 at odd offsets, the plain ones at even offsets (as make robust)."""
-    return "avx2" if offset % 2 else "default"
+    """The CPU kernel family a run gets: avx2 at odd offsets, default at even offsets (as make robust)."""
+    return execute_notebooks.kernel_family(offset)
 
 
 def parse_offsets(text: str) -> list[int]:
@@ -115,8 +117,7 @@ class Run:
 def launch(path: Path, offset: int, out_dir: Path) -> Run:
     run = Run(offset, capability(offset))
     out = out_dir / f"{path.stem}.offset{offset}.ipynb"
-    env = dict(os.environ, ATTNBOOK_SEED_OFFSET=str(offset), ATEN_CPU_CAPABILITY=run.capability,
-               OMP_NUM_THREADS="1")
+    env = dict(os.environ, **execute_notebooks.variant_env(offset), OMP_NUM_THREADS="1")
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
     start = time.perf_counter()

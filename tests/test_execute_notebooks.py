@@ -125,3 +125,74 @@ def test_spread_matches_lines_by_their_text_when_the_counts_differ():
     lines = sweep_notebooks.spread_lines(runs, 0, all_lines=False)
     assert "  loss {2.50@0..2.70@1 ~2.600}" in lines
     assert "  wins by {1.0%@2..3.0%@0 ~2.00%}   [at offsets 0,2 only]" in lines
+
+
+# --- make robust: one variant per notebook, alternating ----------------------------------------
+
+
+def write_env_notebook(path: Path) -> Path:
+    # prints the seed offset and the kernel settings its kernel was started with
+    names = ["ATTNBOOK_SEED_OFFSET", *execute_notebooks.KERNEL_FAMILIES["avx2"]]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        f"import os\nprint(' '.join(os.environ.get(n, '-') for n in {names!r}))")])
+    nbformat.write(nb, path)
+    return path
+
+
+def printed_env(path: Path) -> str:
+    return nbformat.read(path, as_version=4).cells[0].outputs[0].text.strip()
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_robust_alternates_offset_and_kernel_family_by_notebook(tmp_path, monkeypatch, jobs):
+    for name in ("ATTNBOOK_SEED_OFFSET", *execute_notebooks.KERNEL_FAMILIES["avx2"]):
+        monkeypatch.delenv(name, raising=False)
+    paths = [write_env_notebook(tmp_path / f"0{i}_tiny.ipynb") for i in (1, 2, 3)]
+    out = tmp_path / "out"
+    assert execute_notebooks.main(["--robust", "--out", str(out), "--jobs", str(jobs), *map(str, paths)]) == 0
+    avx2 = "1 avx2 AVX2 AVX2"
+    plain = "2 default SSE4_2 SSE41"
+    assert [printed_env(out / f"0{i}_tiny.offset{o}.ipynb") for i, o in ((1, 1), (2, 2), (3, 1))] == [
+        avx2, plain, avx2]
+    assert sorted(p.name for p in out.glob("*.ipynb")) == [
+        "01_tiny.offset1.ipynb", "02_tiny.offset2.ipynb", "03_tiny.offset1.ipynb"]
+    assert "02_tiny.ipynb (2, default)" in (out / "timings.md").read_text()
+    assert "ATTNBOOK_SEED_OFFSET" not in os.environ  # the variant was set for its run only
+
+
+def test_robust_both_runs_every_notebook_under_both_variants(tmp_path):
+    path = write_env_notebook(tmp_path / "01_tiny.ipynb")
+    out = tmp_path / "out"
+    assert execute_notebooks.main(["--robust", "--both", "--out", str(out), str(path)]) == 0
+    assert printed_env(out / "01_tiny.offset1.ipynb") == "1 avx2 AVX2 AVX2"
+    assert printed_env(out / "01_tiny.offset2.ipynb") == "2 default SSE4_2 SSE41"
+
+
+def test_robust_never_writes_over_the_notebooks(tmp_path, capsys):
+    path = write_env_notebook(tmp_path / "01_tiny.ipynb")
+    assert execute_notebooks.main(["--robust", str(path)]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_kernel_families_cap_the_matrix_products_too():
+    # ATEN_CPU_CAPABILITY alone leaves MKL's and oneDNN's instructions as they are
+    for family, env in execute_notebooks.KERNEL_FAMILIES.items():
+        assert set(env) == {"ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"}, family
+    assert [execute_notebooks.kernel_family(o) for o in range(4)] == ["default", "avx2", "default", "avx2"]
+    assert sweep_notebooks.capability(3) == "avx2"
+
+
+@pytest.mark.skipif("avx512f" not in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else True,
+                    reason="the avx2 family changes the matrix products only on a CPU with AVX-512")
+def test_the_avx2_family_multiplies_otherwise_on_an_avx512_cpu():
+    import subprocess
+
+    code = ("import torch; g = torch.Generator().manual_seed(0); "
+            "a, b = torch.randn(96, 257, generator=g), torch.randn(257, 133, generator=g); "
+            "print(hash((a @ b).numpy().tobytes()))")
+
+    def product(env):
+        return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED="0", **env),
+                              capture_output=True, text=True, check=True).stdout
+
+    assert product(execute_notebooks.KERNEL_FAMILIES["avx2"]) != product({})
