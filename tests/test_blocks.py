@@ -440,3 +440,18 @@ def test_load_from_torch_checks_norm_activation_and_eps(block_class, torch_class
         block_class(16, 4, activation="gelu").load_from_torch(
             torch_class(16, 4, 64, batch_first=True, activation=nn.GELU(approximate="tanh")))
     block_class(16, 4, activation="gelu").load_from_torch(torch_class(16, 4, 64, batch_first=True, activation="gelu"))
+
+
+@pytest.mark.parametrize("reference, message", [
+    (dict(d_model=32, nhead=4, dim_feedforward=128), "reference has hidden=128; this block has hidden=64"),
+    (dict(d_model=48, nhead=4, dim_feedforward=64), "reference has d_model=48; this block has d_model=32"),
+    (dict(d_model=32, nhead=8, dim_feedforward=64), "reference has num_heads=8; this block has num_heads=4"),
+])
+def test_loading_a_layer_of_other_sizes_names_them(reference, message):
+    """Not torch's RuntimeError from load_state_dict: a ValueError naming the sizes that differ."""
+    layer = nn.TransformerEncoderLayer(**reference, dropout=0.0, batch_first=True)
+    with pytest.raises(ValueError, match=message):
+        EncoderBlock(32, 4, 64).load_from_torch(layer)
+    decoder_layer = nn.TransformerDecoderLayer(**reference, dropout=0.0, batch_first=True)
+    with pytest.raises(ValueError, match=message):
+        DecoderBlock(32, 4, 64).load_from_torch(decoder_layer)

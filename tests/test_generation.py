@@ -665,3 +665,144 @@ def test_speculative_rejects_bad_input(gpt, drafts):
         speculative_generate(gpt, "small", [1], 3)
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 17\)"):
         speculative_generate(gpt, small, [VOCAB], 3)
+
+
+# ----------------------------------------------------------------------------- issue 36: bugs found by review
+
+
+def test_beam_search_of_width_1_is_greedy_with_an_end_token_and_a_length_penalty(gpt):
+    """A finished hypothesis takes its slot in the beam: with one slot, the end token ends the search as
+    greedy decoding ends, whatever the length penalty (the runner-up used to carry on)."""
+    for end in range(VOCAB):
+        for prompt in ([3, 1, 4], [7], [5, 2]):
+            greedy = generate(gpt, torch.tensor([prompt]), 12, end_token=end)[0].tolist()
+            for length_penalty in (0.0, 0.6, 1.0):
+                tokens, _ = beam_search(gpt, prompt, 12, beam_size=1, end_token=end,
+                                        length_penalty=length_penalty)
+                assert tokens == greedy, (end, prompt, length_penalty)
+
+
+def reference_beam_search(model, prompt, max_new_tokens, beam_size, length_penalty, end_token):
+    """Beam search written plainly, without early stopping: every step recomputes every prefix with the
+    full model, the top ``beam_size`` extensions of the live prefixes are kept (those ending in
+    ``end_token`` finish), and at the end the finished and the live hypotheses compete by
+    ``total / length ** length_penalty``."""
+    live, finished = [([], 0.0)], []
+    for _ in range(max_new_tokens):
+        candidates = []
+        for prefix, score in live:
+            with torch.no_grad():
+                log_probs = torch.log_softmax(model(torch.tensor([prompt + prefix]))[0, -1].float(), -1)
+            candidates += [(score + float(lp), prefix + [token]) for token, lp in enumerate(log_probs)]
+        candidates.sort(key=lambda item: -item[0])
+        live = []
+        for score, prefix in candidates[:beam_size]:
+            (finished if prefix[-1] == end_token else live).append((prefix, score))
+        if not live:
+            break
+    finished += live
+    best, score = max(finished, key=lambda item: item[1] / len(item[0]) ** length_penalty)
+    return prompt + best, score
+
+
+@pytest.mark.parametrize("end", [0, 3, 9])
+def test_beam_search_stops_early_only_when_no_live_prefix_can_win(gpt, end):
+    """Early stopping must change nothing: against a beam search without it, over a horizon of 8 tokens
+    (a bound that used the current length instead of the longest reachable one stops too soon)."""
+    for prompt in ([7], [5, 2], [3, 1, 4]):
+        for beam_size, length_penalty in ((2, 1.0), (3, 1.0), (3, 0.5), (4, 2.0)):
+            expected, score = reference_beam_search(gpt, prompt, 8, beam_size, length_penalty, end)
+            tokens, found = beam_search(gpt, prompt, 8, beam_size=beam_size, length_penalty=length_penalty,
+                                        end_token=end)
+            assert tokens == expected, (prompt, beam_size, length_penalty)
+            assert found == pytest.approx(score, abs=1e-4)
+
+
+def test_beam_search_takes_the_prompt_shapes_generate_takes(gpt):
+    expected = beam_search(gpt, [3, 1, 4], 5, beam_size=2)
+    for prompt in (torch.tensor([3, 1, 4]), torch.tensor([[3, 1, 4]]), (3, 1, 4)):
+        assert beam_search(gpt, prompt, 5, beam_size=2) == expected
+    with pytest.raises(ValueError, match=r"one sequence: prompt must be \(T,\) or \(1, T\), got \(2, 3\)"):
+        beam_search(gpt, torch.zeros(2, 3, dtype=torch.long), 5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_token_suppressed_is_a_clear_error(gpt, drafts, temperature):
+    everything = list(range(VOCAB))
+    message = "every token is suppressed"
+    with pytest.raises(ValueError, match=message):
+        generate(gpt, torch.tensor([[1, 2]]), 3, temperature=temperature, suppress=everything,
+                 generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=message):  # at the first step only
+        generate(gpt, torch.tensor([[1, 2]]), 3, temperature=temperature, suppress=everything[:5],
+                 suppress_at_start=everything[5:], generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=message):
+        beam_search(gpt, [1, 2], 3, suppress=everything)
+    # all but one: that one, every time
+    assert generate(gpt, torch.tensor([[1, 2]]), 3, temperature=temperature, suppress=everything[1:],
+                    generator=torch.Generator().manual_seed(0))[0, 2:].tolist() == [0, 0, 0]
+
+
+def test_top_p_keeps_tied_tokens_together_in_any_order():
+    """The rule: a token is kept when the tokens strictly more probable than it hold less than p, so
+    tokens of equal probability are kept or dropped together, wherever they sit in the vocabulary."""
+    from attnbook import truncate_logits
+
+    for probabilities, top_p, kept in (
+        ([0.4, 0.3, 0.3], 0.5, [True, True, True]),  # each 0.3 has 0.4 before it: < 0.5
+        ([0.3, 0.4, 0.3], 0.5, [True, True, True]),
+        ([0.3, 0.3, 0.4], 0.5, [True, True, True]),
+        ([0.4, 0.3, 0.3], 0.35, [True, False, False]),  # 0.4 is not < 0.35
+        ([0.3, 0.3, 0.4], 0.35, [False, False, True]),
+        ([0.25, 0.25, 0.25, 0.25], 0.1, [True] * 4),  # nothing is more probable than any of them
+        ([0.5, 0.2, 0.2, 0.1], 0.65, [True, True, True, False]),  # each 0.2 has 0.5 before it
+        ([0.2, 0.1, 0.5, 0.2], 0.65, [True, False, True, True]),
+    ):
+        logits = torch.tensor(probabilities).log()
+        assert (truncate_logits(logits, top_p=top_p) > float("-inf")).tolist() == kept, (probabilities, top_p)
+    # batched rows keep their own ties
+    logits = torch.tensor([[0.4, 0.3, 0.3], [0.3, 0.3, 0.4]]).log()
+    assert (truncate_logits(logits, top_p=0.5) > float("-inf")).all()
+
+
+def test_top_k_is_applied_before_top_p():
+    """Top-p then counts probability among the k kept tokens, renormalised: with k = 2 the two
+    survivors of (0.4, 0.3, 0.2, 0.1) hold 0.571 and 0.429, so p = 0.55 keeps the first alone
+    (top-p first would keep two: 0.4 < 0.55 before the second)."""
+    from attnbook import truncate_logits
+
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    kept = truncate_logits(logits, top_k=2, top_p=0.55) > float("-inf")
+    assert kept.tolist() == [True, False, False, False]
+    kept = truncate_logits(logits, top_k=3, top_p=0.9) > float("-inf")  # 0.444, 0.333, 0.222
+    assert kept.tolist() == [True, True, True, False]
+
+
+def test_a_compiled_model_runs_its_compiled_code_in_generate(gpt):
+    """torch.compile returns a wrapper whose decode_step is the original module's method; generate
+    calls it with the wrapper as self, so the step's self(...) is the compiled forward. A counting
+    backend sees the frames compiled (none before the fix: the uncompiled forward ran)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(gpt, backend=counter)
+    expected = generate(gpt, torch.tensor([[1, 2]]), 5)
+    assert torch.equal(generate(compiled, torch.tensor([[1, 2]]), 5), expected)
+    assert counter.frame_count > 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_runs_in_eval_mode(temperature):
+    """A target and a draft with dropout, left in training mode: decoding switches dropout off, so two
+    calls with one seed give the same tokens (and, greedy, those of generate), and the modes come back."""
+    torch.manual_seed(3)
+    target = GPT(vocab_size=VOCAB, d_model=32, num_heads=4, num_layers=2, max_len=48, dropout=0.5).train()
+    draft = GPT(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=1, max_len=48, dropout=0.5).train()
+    runs = [speculative_generate(target, draft, [1, 2], 12, temperature=temperature, num_draft=3,
+                                 generator=torch.Generator().manual_seed(0))[0] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    if temperature == 0:
+        assert torch.equal(runs[0], generate(target, [1, 2], 12))
+    assert target.training and draft.training

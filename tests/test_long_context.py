@@ -308,3 +308,70 @@ def test_gpt_rope_scaling_only_for_rope():
         steps = torch.cat([model(tokens[:, :10], caches)] + [model(tokens[:, t : t + 1], caches)
                                                               for t in range(10, 64)], dim=1)
         torch.testing.assert_close(steps, model(tokens), atol=1e-5, rtol=1e-5)
+
+
+# --- issue 36: streaming past max_len with a window; one cache validator ------------------------
+
+
+@pytest.mark.parametrize("positions", ["rope", "alibi", "none"])
+def test_a_windowed_gpt_without_a_position_table_streams_past_max_len(positions):
+    """With a window and positions that need no table, the rolling caches hold ``window`` entries
+    however long the text grows: generate runs 10x max_len, cached and uncached alike."""
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=11, d_model=16, num_heads=2, num_layers=2, max_len=16, positions=positions,
+              window=4).eval()
+    assert gpt.max_sequence_len is None
+    cached = attnbook.generate(gpt, torch.tensor([[1, 2, 3]]), 160)
+    assert cached.shape == (1, 163)
+    torch.testing.assert_close(cached, attnbook.generate(gpt, torch.tensor([[1, 2, 3]]), 160, use_cache=False),
+                               rtol=0, atol=0)
+    with torch.no_grad():
+        # the forward pass too. Every scheme here depends on distances only, and two layers of
+        # window 4 see 2 * 3 + 1 = 7 tokens: position 100's logits from those 7 alone
+        full = gpt(cached)[0, 100]
+        alone = gpt(cached[:, 94:101])[0, -1]
+    torch.testing.assert_close(full, alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_a_position_table_still_bounds_a_windowed_gpt(positions):
+    gpt = GPT(vocab_size=11, d_model=16, num_heads=2, num_layers=1, max_len=16, positions=positions, window=4)
+    assert gpt.max_sequence_len == 16
+    with pytest.raises(ValueError, match="exceeds max_len=16"):
+        attnbook.generate(gpt, torch.tensor([[1, 2, 3]]), 14)
+
+
+def test_speculative_decoding_refuses_rolling_caches_up_front():
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=11, d_model=16, num_heads=2, num_layers=1, max_len=32, positions="rope", window=4)
+    with pytest.raises(ValueError, match="rolling cache cannot"):
+        attnbook.speculative_generate(gpt, gpt, torch.tensor([[1, 2]]), 8)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        gpt.make_caches(1)[0].truncate(0)
+
+
+@pytest.mark.parametrize("cache_class", [attnbook.KVCache, RollingKVCache])
+def test_every_cache_refuses_a_second_dtype_and_mixed_keys_and_values(cache_class):
+    cache = cache_class(1, 2, 4, 3)
+    half = torch.zeros(1, 2, 1, 3, dtype=torch.float16)
+    with pytest.raises(ValueError, match="keys and values must share dtype"):
+        cache.append(half, half.float())
+    cache.append(half, half)  # the first keys decide: the empty cache follows them
+    assert cache.keys.dtype == torch.float16
+    with pytest.raises(ValueError, match="KV cache holds torch.float16 on cpu, got keys torch.float32"):
+        cache.append(half.float(), half.float())
+    with pytest.raises(ValueError, match=r"KV cache expects keys and values \(B=1, h=2, t, head_dim=3\)"):
+        cache.append(torch.zeros(1, 2, 1, 4, dtype=torch.float16), torch.zeros(1, 2, 1, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("cache_class", [attnbook.KVCache, RollingKVCache])
+def test_beam_surgery_repeats_and_reorders_the_filled_rows(cache_class):
+    cache = cache_class(1, 1, 4, 2)
+    cache.append(torch.arange(6.0).view(1, 1, 3, 2), torch.arange(6.0).view(1, 1, 3, 2))
+    cache.repeat(3)
+    assert cache.keys.shape[0] == 3 and torch.equal(cache.keys[2], cache.keys[0])
+    cache.keys[1] += 100  # beam 1's own prefix
+    cache.reorder(torch.tensor([1, 1, 0]))
+    assert cache.keys[:, 0, 0, 0].tolist() == [100.0, 100.0, 0.0]
+    with pytest.raises(ValueError, match="repeat widens a cache of batch 1, this one has 3"):
+        cache.repeat(2)

@@ -19,6 +19,7 @@ from .attention import (
 from .audio import log_mel_spectrogram
 from .bert import BertEncoder, load_minilm
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
+from .caches import KVCache, RollingKVCache, make_caches
 from .ctc import (
     CTCModel,
     Seq2SeqSpeechModel,
@@ -47,9 +48,7 @@ from .models import (
     mean_pool,
 )
 from .multihead import (
-    KVCache,
     MultiHeadAttention,
-    RollingKVCache,
     RotaryMultiHeadAttention,
     WideMultiHeadAttention,
     merge_heads,
@@ -100,6 +99,7 @@ __all__ = [
     "SpeculativeStats",
     "truncate_logits",
     "KVCache",
+    "make_caches",
     "LearnedPositions",
     "MultiHeadAttention",
     "RotaryMultiHeadAttention",

@@ -72,7 +72,7 @@ class EncoderBlock(nn.Module):
 
     ``forward(x (B, T, d), mask=None, key_padding_mask=None, cache=None,
     is_causal=False) -> (B, T, d)``. With ``is_causal=True`` (or a causal ``mask``), and
-    a :class:`~attnbook.multihead.KVCache`, it is also the block of a decoder-only
+    a :class:`~attnbook.caches.KVCache`, it is also the block of a decoder-only
     model. Arguments after ``dropout`` are keyword-only. Set ``record_weights = True``
     to keep the last per-head attention weights in ``self.weights``.
     """
@@ -146,7 +146,7 @@ class DecoderOnlyBlock(EncoderBlock):
     feed-forward network.
 
     An :class:`EncoderBlock` whose attention is causal unless told otherwise, aligned to
-    the bottom right: with a :class:`~attnbook.multihead.KVCache` the new tokens are the
+    the bottom right: with a :class:`~attnbook.caches.KVCache` the new tokens are the
     last ones and see every earlier token. ``forward(x (B, T, d), *, cache=None) -> (B,
     T, d)``.
     """
@@ -287,8 +287,21 @@ def _torch_activation(reference: nn.Module) -> str | None:
 
 
 def _check_same_layout(ours: nn.Module, reference: nn.Module) -> None:
-    """Raise unless the PyTorch layer has our norm position, activation and LayerNorm
-    eps."""
+    """Raise unless the PyTorch layer has our sizes, norm position, activation and
+    LayerNorm eps."""
+    sizes = {  # name: (theirs, ours)
+        "d_model": (reference.self_attn.embed_dim, ours.self_attention.d_model),
+        "num_heads": (reference.self_attn.num_heads, ours.self_attention.num_heads),
+        "hidden": (reference.linear1.out_features, ours.feed_forward.fc1.out_features),
+    }
+    wrong = {name: pair for name, pair in sizes.items() if pair[0] != pair[1]}
+    if wrong:
+        raise ValueError(
+            "reference has "
+            + ", ".join(f"{name}={theirs}" for name, (theirs, _) in wrong.items())
+            + "; this block has "
+            + ", ".join(f"{name}={mine}" for name, (_, mine) in wrong.items())
+        )
     theirs = "pre" if reference.norm_first else "post"
     if theirs != ours.norm_position:
         raise ValueError(

@@ -16,6 +16,7 @@ shared vocabulary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,17 +81,9 @@ def _check_top_p(top_p) -> float | None:
     return float(top_p)
 
 
-def truncate_logits(logits: torch.Tensor, *, top_k=None, top_p=None) -> torch.Tensor:
-    """``logits (..., vocab)`` with every token outside the kept set at ``-inf``, so
-    that a softmax renormalises over the kept ones.
-
-    ``top_k`` keeps the ``k`` largest logits (exactly ``k``: ties at the border are
-    broken by ``topk``). ``top_p`` (nucleus) keeps the smallest set of most probable
-    tokens whose probability under ``softmax(logits)`` reaches ``p``: a token is kept if
-    the tokens more probable than it hold less than ``p``, so the most probable token is
-    always kept. With both, top-k is applied first.
-    """
-    top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
+def _truncate(logits: torch.Tensor, top_k: int | None, top_p: float | None):
+    """:func:`truncate_logits` on arguments already checked (the decoding loops call
+    this once a step)."""
     if top_k is not None and top_k < logits.shape[-1]:
         top = logits.topk(top_k, dim=-1).indices  # (..., k)
         # (..., vocab)
@@ -99,17 +92,40 @@ def truncate_logits(logits: torch.Tensor, *, top_k=None, top_p=None) -> torch.Te
     if top_p is not None and top_p < 1:
         sorted_probabilities, order = torch.softmax(logits.float(), dim=-1).sort(
             dim=-1, descending=True
-        )
-        # (..., vocab), most probable first
-        cumulative = sorted_probabilities.cumsum(dim=-1)
-        before = torch.cat(
-            [torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1
-        )
-        keep = torch.zeros_like(before, dtype=torch.bool).scatter_(
-            -1, order, before < top_p
+        )  # (..., vocab), most probable first
+        # the probability held by the tokens before each one ...
+        before = sorted_probabilities.cumsum(dim=-1) - sorted_probabilities
+        # ... and by those strictly more probable: ties count from their first member
+        first = torch.searchsorted(-sorted_probabilities, -sorted_probabilities)
+        more_probable = before.gather(-1, first)  # (..., vocab)
+        keep = torch.zeros_like(more_probable, dtype=torch.bool).scatter_(
+            -1, order, more_probable < top_p
         )
         logits = logits.masked_fill(~keep, float("-inf"))
     return logits
+
+
+def truncate_logits(logits: torch.Tensor, *, top_k=None, top_p=None) -> torch.Tensor:
+    """``logits (..., vocab)`` with every token outside the kept set at ``-inf``, so
+    that a softmax renormalises over the kept ones.
+
+    ``top_k`` keeps the ``k`` largest logits (exactly ``k``: ties at the border are
+    broken by ``topk``). ``top_p`` (nucleus) keeps every token whose strictly more
+    probable tokens, under ``softmax(logits)``, hold less than ``p``: the smallest set
+    of most probable tokens that reaches ``p``, widened to every token tied with its
+    last member, so the result does not depend on the tokens' order in the vocabulary.
+    The most probable token is always kept. With both, top-k is applied first, and
+    top-p counts probability among the ``k`` kept tokens.
+    """
+    return _truncate(logits, _check_top_k(top_k), _check_top_p(top_p))
+
+
+def _probabilities(logits, temperature: float, top_k, top_p) -> torch.Tensor:
+    """:func:`sampling_probabilities` on arguments already checked (temperature > 0)."""
+    logits = logits.float() / temperature
+    if top_k is not None or top_p is not None:
+        logits = _truncate(logits, top_k, top_p)
+    return torch.softmax(logits, dim=-1)
 
 
 def sampling_probabilities(
@@ -125,10 +141,15 @@ def sampling_probabilities(
             "sampling_probabilities needs temperature > 0 (temperature 0 is greedy: "
             "the argmax)"
         )
-    logits = logits.float() / temperature
-    if top_k is not None or top_p is not None:
-        logits = truncate_logits(logits, top_k=top_k, top_p=top_p)
-    return torch.softmax(logits, dim=-1)
+    return _probabilities(logits, temperature, _check_top_k(top_k), _check_top_p(top_p))
+
+
+def _pick(logits, temperature: float, generator, top_k, top_p) -> torch.Tensor:
+    """:func:`next_token` on arguments already checked."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probabilities = _probabilities(logits, temperature, top_k, top_p)
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
 def next_token(
@@ -148,13 +169,9 @@ def next_token(
     set."""
     temperature = _check_temperature(temperature)
     top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    _check_generator(generator, logits.device)
-    probabilities = sampling_probabilities(
-        logits, temperature, top_k=top_k, top_p=top_p
-    )
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+    if temperature > 0:
+        _check_generator(generator, logits.device)
+    return _pick(logits, temperature, generator, top_k, top_p)
 
 
 def _check_model(model, caller: str = "generate") -> None:
@@ -182,9 +199,50 @@ def _check_token_list(name: str, tokens, vocab_size: int) -> list[int]:
     return tokens
 
 
-def _prepare_prompt(prompt, max_new_tokens: int, model, device) -> torch.Tensor:
-    """``prompt`` as a ``(B, T0)`` LongTensor on ``device``, its ids range-checked once,
-    or a clear error."""
+def _length_limit(model) -> int | None:
+    """How many tokens (prompt and new) a model can decode: ``max_len``, or none for a
+    model that says it streams (``max_sequence_len = None``: a windowed GPT whose
+    positions need no table)."""
+    return getattr(model, "max_sequence_len", model.max_len)
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    """What every decoding loop needs, checked once before it starts."""
+
+    prompt: torch.Tensor  # (B, T0) on the model's device
+    max_new_tokens: int
+    suppress: list[int]
+    suppress_at_start: list[int]
+    end_token: int | None
+
+    def suppressed(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """``logits (B, vocab)`` with the suppressed tokens at ``-inf``, in place."""
+        if self.suppress:
+            logits[:, self.suppress] = float("-inf")
+        if step == 0 and self.suppress_at_start:
+            logits[:, self.suppress_at_start] = float("-inf")
+        return logits
+
+
+def _decoding(
+    model,
+    prompt,
+    max_new_tokens,
+    *,
+    caller: str,
+    one_sequence: bool = False,
+    end_token=None,
+    suppress=(),
+    suppress_at_start=(),
+) -> _Decoding:
+    """The decoding core's checks, shared by :func:`generate`, :func:`beam_search` and
+    :func:`speculative_generate`: the model's interface, ``prompt`` as a ``(B, T0)``
+    LongTensor on the model's device (``(T0,)`` and ``(1, T0)`` are one sequence), its
+    ids range-checked once, the length, and the suppressed and end tokens (with a clear
+    error when nothing is left to choose)."""
+    _check_model(model, caller)
+    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
     prompt = torch.as_tensor(prompt)
     if prompt.dim() == 1:
         prompt = prompt[None]
@@ -195,15 +253,34 @@ def _prepare_prompt(prompt, max_new_tokens: int, model, device) -> torch.Tensor:
         )
     if prompt.is_floating_point() or prompt.dtype == torch.bool:
         raise TypeError(f"prompt must hold integer token ids, got dtype {prompt.dtype}")
-    if prompt.shape[1] + max_new_tokens > model.max_len:
+    if one_sequence and prompt.shape[0] != 1:
+        raise ValueError(
+            f"{caller} continues one sequence: prompt must be (T,) or (1, T), got "
+            f"{tuple(prompt.shape)}"
+        )
+    limit = _length_limit(model)
+    if limit is not None and prompt.shape[1] + max_new_tokens > limit:
         raise ValueError(
             f"prompt of {prompt.shape[1]} tokens + max_new_tokens={max_new_tokens} "
-            f"exceeds max_len={model.max_len}"
+            f"exceeds max_len={limit}"
         )
+    device = next(model.parameters()).device
     prompt = prompt.to(device=device, dtype=torch.long)
-    # here, once: with max_new_tokens=0 no model runs
-    check_token_ids(prompt, model.vocab_size)
-    return prompt
+    check_token_ids(prompt, model.vocab_size, name="prompt token ids")  # here, once
+    vocab_size = model.vocab_size
+    suppress = _check_token_list("suppress", suppress, vocab_size)
+    suppress_at_start = _check_token_list(
+        "suppress_at_start", suppress_at_start, vocab_size
+    )
+    if max_new_tokens and len(set(suppress) | set(suppress_at_start)) == vocab_size:
+        when = "" if len(set(suppress)) == vocab_size else " at the first step"
+        raise ValueError(
+            f"every token is suppressed{when} (suppress and suppress_at_start cover "
+            f"all {vocab_size}): nothing is left to choose"
+        )
+    if end_token is not None:
+        end_token = _check_token_list("end_token", [end_token], vocab_size)[0]
+    return _Decoding(prompt, max_new_tokens, suppress, suppress_at_start, end_token)
 
 
 def generate(
@@ -233,29 +310,32 @@ def generate(
     the ``top_p`` nucleus if given (see
     :func:`truncate_logits`; they change nothing at temperature 0).
     Tokens in ``suppress`` are never chosen, those in ``suppress_at_start`` not as the
-    first new token. With ``end_token`` a sequence stops there (it is included, and a
-    finished sequence is padded with it); the loop ends when every sequence has, so
-    fewer than ``max_new_tokens`` may be returned.
+    first new token (suppressing every token is an error). With ``end_token`` a
+    sequence stops there (it is included, and a finished sequence is padded with it);
+    the loop ends when every sequence has, so fewer than ``max_new_tokens`` may be
+    returned.
 
     It runs in eval mode without gradients (not inference mode, so the tokens can feed a
     training step) and restores the model's training mode afterwards, even after an
-    error. The ids are range-checked once, on the prompt: no step reads a tensor back to
-    the host unless ``end_token`` is given (then once a step, to stop early).
+    error. Every argument is checked once, before the loop; the ids are range-checked on
+    the prompt: no step reads a tensor back to the host unless ``end_token`` is given
+    (then once a step, to stop early).
     """
-    _check_model(model)
-    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
+    run = _decoding(
+        model,
+        prompt,
+        max_new_tokens,
+        caller="generate",
+        end_token=end_token,
+        suppress=suppress,
+        suppress_at_start=suppress_at_start,
+    )
     temperature = _check_temperature(temperature)
     top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
-    device = next(model.parameters()).device
+    prompt, max_new_tokens, end_token = run.prompt, run.max_new_tokens, run.end_token
     if temperature > 0:
-        _check_generator(generator, device)
-    prompt = _prepare_prompt(prompt, max_new_tokens, model, device)
-    suppress = _check_token_list("suppress", suppress, model.vocab_size)
-    suppress_at_start = _check_token_list(
-        "suppress_at_start", suppress_at_start, model.vocab_size
-    )
-    if end_token is not None:
-        end_token = _check_token_list("end_token", [end_token], model.vocab_size)[0]
+        _check_generator(generator, prompt.device)
+    decode_step = _decode_step(model)
     B, T0 = prompt.shape
 
     with eval_mode(model):
@@ -265,20 +345,14 @@ def generate(
         # (B, T0 + new), filled step by step
         tokens = prompt.new_empty(B, T0 + max_new_tokens)
         tokens[:, :T0] = prompt
-        finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+        finished = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # (B,)
         end = T0
         if max_new_tokens:
             # (B, vocab): the prompt, once
-            logits = model.decode_step(prompt, context, caches)[:, -1]
+            logits = decode_step(prompt, context, caches)[:, -1]
             for step in range(max_new_tokens):
-                if suppress:
-                    logits[:, suppress] = float("-inf")
-                if step == 0 and suppress_at_start:
-                    logits[:, suppress_at_start] = float("-inf")
-                # (B,)
-                new = next_token(
-                    logits, temperature, generator, top_k=top_k, top_p=top_p
-                )
+                logits = run.suppressed(logits, step)
+                new = _pick(logits, temperature, generator, top_k, top_p)  # (B,)
                 end = T0 + step + 1
                 if end_token is not None:
                     new = new.masked_fill(finished, end_token)
@@ -288,7 +362,7 @@ def generate(
                     end_token is not None and bool(finished.all())
                 ):
                     break
-                logits = model.decode_step(
+                logits = decode_step(
                     tokens[:, end - 1 : end] if use_cache else tokens[:, :end],
                     context,
                     caches,
@@ -296,9 +370,19 @@ def generate(
         return tokens[:, :end]
 
 
+def _decode_step(model):
+    """``model.decode_step``, run so that a compiled model's code runs: on the module
+    that ``torch.compile`` returns, ``decode_step`` resolves to the original module's
+    method, whose ``self(...)`` would call the uncompiled forward; called with the
+    compiled module as ``self``, it calls the compiled one."""
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and hasattr(type(original), "decode_step"):
+        return functools.partial(type(original).decode_step, model)
+    return model.decode_step
+
+
 def _kv_caches(caches):
-    """The :class:`~attnbook.multihead.KVCache` objects in a model's (nested) list of
-    caches."""
+    """The caches (:mod:`attnbook.caches`) in a model's (nested) list of caches."""
     if isinstance(caches, (list, tuple)):
         return [cache for item in caches for cache in _kv_caches(item)]
     return [caches]
@@ -334,15 +418,17 @@ def beam_search(
     log-softmax, after ``suppress`` tokens, and ``suppress_at_start`` at the first step,
     are set to ``-inf``, as greedy decoding does).
 
-    The ``beam_size`` live prefixes of highest total log-probability are extended each
-    step; a prefix that picks ``end_token`` (if given) is finished. Hypotheses are
+    Each step keeps the ``beam_size`` best extensions of the live prefixes by total
+    log-probability; an extension that picks ``end_token`` (if given) is finished and
+    takes its slot for that step, so ``beam_size=1`` is greedy decoding, end token and
+    length penalty included. Hypotheses are
     ranked by ``log_prob / n ** length_penalty`` with ``n`` new tokens:
     ``length_penalty=0`` ranks by the total, which favours short hypotheses since every
     token adds a log-probability <= 0; ``1`` by the mean per token. A live prefix's rank
     can rise no higher than its total divided by the longest length it could reach, so
     the search stops once the best finished hypothesis ranks above that bound for every
     live prefix (or after ``max_new_tokens``: then the live prefixes compete too).
-    ``beam_size=1`` is greedy decoding. A wider beam usually finds a likelier hypothesis
+    A wider beam usually finds a likelier hypothesis
     than greedy decoding, but not always: it prunes, and the greedy prefix can fall out
     of the beam.
 
@@ -353,56 +439,35 @@ def beam_search(
     indices, so each beam keeps the keys and values of its own prefix. ``inputs`` go to
     the model's ``decoding_context`` (``mel=`` for Whisper).
     """
-    _check_model(model)
+    run = _decoding(
+        model,
+        prompt,
+        max_new_tokens,
+        caller="beam_search",
+        one_sequence=True,
+        end_token=end_token,
+        suppress=suppress,
+        suppress_at_start=suppress_at_start,
+    )
     beam_size = check_positive_int("beam_size", beam_size)
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     if not isinstance(length_penalty, (int, float)) or not 0 <= length_penalty <= 10:
         raise ValueError(
             f"length_penalty must be a number in [0, 10], got {length_penalty!r}"
         )
-    prompt = [
-        int(t)
-        for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
-    ]
-    if not prompt or len(prompt) + max_new_tokens > model.max_len:
-        raise ValueError(
-            f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must be "
-            f"non-empty and fit max_len={model.max_len}"
-        )
-    vocab_size = model.vocab_size
-    prompt = _check_token_list("prompt", prompt, vocab_size)
-    suppress = _check_token_list("suppress", suppress, vocab_size)
-    suppress_at_start = _check_token_list(
-        "suppress_at_start", suppress_at_start, vocab_size
-    )
-    if end_token is not None:
-        end_token = _check_token_list("end_token", [end_token], vocab_size)[0]
-    if len(set(suppress) | set(suppress_at_start)) == vocab_size:
-        raise ValueError(
-            "beam search found no hypothesis: every token is suppressed at the first "
-            "step"
-        )
+    end_token, vocab_size = run.end_token, model.vocab_size
+    decode_step = _decode_step(model)
 
     def rank(score: float, length: int) -> float:
         return score / length**length_penalty
 
-    device = next(model.parameters()).device
+    device = run.prompt.device
     with eval_mode(model):
         context = model.decoding_context(1, **inputs)  # (1, S, d): the encoder, once
         caches = model.decoding_caches(1, context)
-        # (1, V)
-        logits = model.decode_step(
-            torch.tensor([prompt], device=device), context, caches
-        )[:, -1]
-        for cache in _kv_caches(caches):  # widen every cache to beam_size rows
-            if cache.static:
-                # (beam, h, S, d/h): one copy, shared
-                cache.keys = cache.keys.expand(beam_size, -1, -1, -1)
-                cache.values = cache.values.expand(beam_size, -1, -1, -1)
-            else:
-                # (beam, h, max_len, d/h): one per beam
-                cache.keys = cache.keys.repeat(beam_size, 1, 1, 1)
-                cache.values = cache.values.repeat(beam_size, 1, 1, 1)
+        logits = decode_step(run.prompt, context, caches)[:, -1]  # (1, V)
+        for cache in _kv_caches(caches):  # one row per beam
+            cache.repeat(beam_size)
         # (beam, S, d), or a tuple of such, or None
         context = _widen(context, beam_size)
         logits = logits.expand(beam_size, -1)  # (beam, V)
@@ -411,21 +476,18 @@ def beam_search(
         prefixes = [[] for _ in range(beam_size)]
         finished = []  # (rank, score, new tokens with end_token) of finished hypotheses
         for step in range(max_new_tokens):
-            logits = logits.float().clone()  # (beam, V)
-            if suppress:
-                logits[:, suppress] = float("-inf")
-            if step == 0 and suppress_at_start:
-                logits[:, suppress_at_start] = float("-inf")
+            logits = run.suppressed(logits.float().clone(), step)  # (beam, V)
             # (beam * V,)
             candidates = (scores[:, None] + torch.log_softmax(logits, dim=-1)).flatten()
+            # the beam_size best extensions; those that end finish, taking their slot
             top_scores, top_indices = candidates.topk(
-                min(2 * beam_size, candidates.numel())
+                min(beam_size, candidates.numel())
             )
             rows, tokens, new_scores = [], [], []
             for score, index in zip(
                 top_scores.tolist(), top_indices.tolist(), strict=True
             ):
-                if score == float("-inf") or len(rows) == beam_size:
+                if score == float("-inf"):
                     break
                 row, token = divmod(index, vocab_size)
                 if token == end_token:
@@ -461,18 +523,13 @@ def beam_search(
             # (beam,) the row each surviving beam extends
             order = torch.tensor(rows, device=device)
             for cache in _kv_caches(caches):
-                # each beam takes over the keys and values of the prefix it extends
-                if not cache.static:
-                    cache.keys[:, :, : cache.length] = cache.keys[
-                        order, :, : cache.length
-                    ]
-                    cache.values[:, :, : cache.length] = cache.values[
-                        order, :, : cache.length
-                    ]
+                cache.reorder(
+                    order
+                )  # each beam takes over its prefix's keys and values
             step_tokens = torch.tensor(tokens, device=device)[:, None]  # (beam, 1)
-            logits = model.decode_step(step_tokens, context, caches)[:, -1]  # (beam, V)
+            logits = decode_step(step_tokens, context, caches)[:, -1]  # (beam, V)
     _, best_score, best = max(finished, key=lambda item: item[0])
-    return prompt + best, float(best_score)
+    return run.prompt[0].tolist() + best, float(best_score)
 
 
 @dataclass
@@ -546,11 +603,13 @@ def speculative_generate(
 
     Both models keep KV caches. Both caches hold every final token but the last;
     rejected draft tokens are rolled back out of them with
-    :meth:`~attnbook.multihead.KVCache.truncate`. The last round drafts fewer tokens so
+    :meth:`~attnbook.caches.KVCache.truncate`. The last round drafts fewer tokens so
     that exactly ``max_new_tokens`` are written. Both models run in eval mode without
     gradients; their training modes are restored afterwards.
     """
-    _check_model(target, "speculative_generate")
+    run = _decoding(
+        target, prompt, max_new_tokens, caller="speculative_generate", one_sequence=True
+    )
     _check_model(draft, "speculative_generate")
     if target.vocab_size != draft.vocab_size:
         raise ValueError(
@@ -558,10 +617,9 @@ def speculative_generate(
             f"target.vocab_size={target.vocab_size}, "
             f"draft.vocab_size={draft.vocab_size}"
         )
-    max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
     num_draft = check_positive_int("num_draft", num_draft)
     temperature = _check_temperature(temperature)
-    device = next(target.parameters()).device
+    prompt, max_new_tokens, device = run.prompt, run.max_new_tokens, run.prompt.device
     draft_device = next(draft.parameters()).device
     if draft_device != device:
         raise ValueError(
@@ -569,37 +627,31 @@ def speculative_generate(
         )
     if temperature > 0:
         _check_generator(generator, device)
-    prompt = _prepare_prompt(prompt, max_new_tokens, target, device)
-    if prompt.shape[0] != 1:
-        raise ValueError(
-            "speculative_generate continues one sequence: prompt must be (T,) or (1, "
-            "T), "
-            f"got {tuple(prompt.shape)}"
-        )
     T0 = prompt.shape[1]
-    if T0 + max_new_tokens > draft.max_len:
+    limit = _length_limit(draft)
+    if limit is not None and T0 + max_new_tokens > limit:
         raise ValueError(
             f"prompt of {T0} tokens + max_new_tokens={max_new_tokens} exceeds the "
-            "draft's "
-            f"max_len={draft.max_len}"
+            f"draft's max_len={limit}"
         )
 
     stats = SpeculativeStats(new_tokens=max_new_tokens)
+    target_step, draft_step = _decode_step(target), _decode_step(draft)
     with eval_mode(target), eval_mode(draft):
         target_context, draft_context = (
             target.decoding_context(1),
             draft.decoding_context(1),
         )
-        target_caches = [
-            c
-            for c in _kv_caches(target.decoding_caches(1, target_context))
-            if not c.static
-        ]
-        draft_caches = [
-            c
-            for c in _kv_caches(draft.decoding_caches(1, draft_context))
-            if not c.static
-        ]
+        target_caches, draft_caches = (
+            [c for c in _kv_caches(model.decoding_caches(1, context)) if not c.static]
+            for model, context in ((target, target_context), (draft, draft_context))
+        )
+        if not all(c.can_truncate for c in target_caches + draft_caches):
+            raise ValueError(
+                "speculative_generate rolls rejected draft tokens back out of the KV "
+                "caches, which a sliding window's rolling cache cannot do (the entries "
+                "it dropped are gone): use models without window="
+            )
         # (1, T0 + new): final tokens, then this round's drafts
         tokens = prompt.new_empty(1, T0 + max_new_tokens)
         tokens[:, :T0] = prompt
@@ -614,21 +666,19 @@ def speculative_generate(
                 # what its cache lacks (one token after the first)
                 fed = tokens[:, draft_caches[0].length : end + i]
                 # (vocab,)
-                logits = draft.decode_step(fed, draft_context, draft_caches)[0, -1]
+                logits = draft_step(fed, draft_context, draft_caches)[0, -1]
                 stats.draft_calls += 1
                 if temperature == 0:
                     tokens[0, end + i] = logits.argmax()
                 else:
-                    q = sampling_probabilities(logits, temperature)  # (vocab,)
+                    q = _probabilities(logits, temperature, None, None)  # (vocab,)
                     tokens[0, end + i] = torch.multinomial(q, 1, generator=generator)[0]
                     draft_probabilities.append(q)
             # 2. the target scores them in one call: k + 1 rows, for positions end - 1
             #    .. end + k - 1
             fed = tokens[:, target_caches[0].length : end + k]
             # (k + 1, vocab)
-            logits = target.decode_step(fed, target_context, target_caches)[
-                0, -(k + 1) :
-            ]
+            logits = target_step(fed, target_context, target_caches)[0, -(k + 1) :]
             stats.target_calls += 1
             drafted = tokens[0, end : end + k]  # (k,)
             # 3. keep the agreed prefix, then one token of the target's own
@@ -638,7 +688,7 @@ def speculative_generate(
                 accepted = _leading_true(choice[:k] == drafted)
                 new = choice[accepted]
             else:
-                p = sampling_probabilities(logits, temperature)  # (k + 1, vocab)
+                p = _probabilities(logits, temperature, None, None)  # (k + 1, vocab)
                 if k:
                     q = torch.stack(draft_probabilities)  # (k, vocab)
                     # (k,) p(x) of each drafted x

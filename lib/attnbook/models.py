@@ -27,13 +27,9 @@ import torch
 from torch import nn
 
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock
+from .caches import make_caches
 from .masks import sliding_window_mask
-from .multihead import (
-    MultiHeadAttention,
-    RollingKVCache,
-    RotaryMultiHeadAttention,
-    make_caches,
-)
+from .multihead import MultiHeadAttention, RotaryMultiHeadAttention
 from .positions import LearnedPositions, SinusoidalPositions, alibi_bias
 from .utils import check_positive_int, check_token_ids
 
@@ -215,33 +211,32 @@ class GPT(nn.Module):
         return self
 
     def make_caches(self, batch_size: int, device=None, dtype=None):
-        """One preallocated :class:`~attnbook.multihead.KVCache` per layer, for up to
+        """One preallocated :class:`~attnbook.caches.KVCache` per layer, for up to
         ``max_len`` tokens (on the model's device and in its dtype unless given; the
         first keys decide in the end); with a ``window``, one
-        :class:`~attnbook.multihead.RollingKVCache` of ``window`` entries per layer."""
+        :class:`~attnbook.caches.RollingKVCache` of ``window`` entries per layer."""
         device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
-        if self.window is not None:
-            return [
-                RollingKVCache(
-                    batch_size,
-                    self.num_heads,
-                    self.window,
-                    head_dim,
-                    device=device,
-                    dtype=dtype,
-                )
-                for _ in self.blocks
-            ]
         return make_caches(
             len(self.blocks),
             batch_size,
             self.num_heads,
-            head_dim,
             self.max_len,
+            head_dim,
+            window=self.window,
             device=device,
             dtype=dtype,
         )
+
+    @property
+    def max_sequence_len(self) -> int | None:
+        """How long a sequence this GPT can run: ``max_len``, or no limit (``None``)
+        with a ``window`` and positions that need no table (``"rope"``, ``"alibi"``,
+        ``"none"``): its rolling caches hold ``window`` entries however long the text
+        grows, and it streams."""
+        if self.window is not None and self.positions is None:
+            return None
+        return self.max_len
 
     def attention_mask(self, query_len: int, caches=None, device=None):
         """The mask every layer adds for ``query_len`` new tokens after ``caches``:
@@ -249,13 +244,7 @@ class GPT(nn.Module):
         ``(1, h, Tq, Tk)``, or both."""
         if self.window is None and self.position_scheme != "alibi":
             return None
-        cache = caches[0] if caches else None
-        if cache is None:
-            key_len = query_len
-        elif isinstance(cache, RollingKVCache):
-            key_len = cache.key_len(query_len)
-        else:
-            key_len = cache.length + query_len
+        key_len = caches[0].key_len(query_len) if caches else query_len
         mask = (
             None
             if self.window is None
@@ -276,7 +265,11 @@ class GPT(nn.Module):
         itself."""
         start = caches[0].length if caches else 0
         check_token_ids(
-            tokens, self.vocab_size, self.max_len, start=start, check_range=check_ids
+            tokens,
+            self.vocab_size,
+            self.max_sequence_len,
+            start=start,
+            check_range=check_ids,
         )
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(
@@ -447,8 +440,8 @@ class TransformerDecoder(nn.Module):
             len(self.blocks),
             batch_size,
             self.num_heads,
-            head_dim,
             self.max_len,
+            head_dim,
             memory_len=memory_len,
             device=device,
             dtype=dtype,

@@ -1,4 +1,5 @@
-"""Multi-head attention, the head split and merge, and a per-layer KV cache.
+"""Multi-head attention and the head split and merge (the KV caches it appends to are in
+:mod:`attnbook.caches`).
 
 Shapes: inputs batch-first ``(B, T, d_model)``; per-head tensors ``(B, h, T, d_model /
 h)``; per-head weights ``(B, h, Tq, Tk)``.
@@ -19,13 +20,9 @@ from .positions import _check_rope_scaling, apply_rope
 from .utils import check_positive_int
 
 __all__ = [
-    "KVCache",
     "MultiHeadAttention",
-    "RollingKVCache",
     "RotaryMultiHeadAttention",
     "WideMultiHeadAttention",
-    "attention_mask_for_heads",
-    "make_caches",
     "merge_heads",
     "split_heads",
 ]
@@ -50,234 +47,6 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, T, h * head_dim)  # (B, T, d)
 
 
-class KVCache:
-    """Keys and values of earlier tokens for one attention layer, in preallocated
-    tensors.
-
-    ``keys`` and ``values`` are ``(B, h, max_len, head_dim)``; ``length`` tokens are
-    filled.
-    :meth:`append` writes new keys/values in place (no concatenation, no reallocation).
-    The first append decides the dtype and device: an empty cache whose keys arrive in
-    another dtype (under autocast, say) or on another device is reallocated to match
-    them once. A ``static`` cache (cross-attention) is filled once and then reused as it
-    is.
-    """
-
-    def __init__(
-        self,
-        batch_size,
-        num_heads,
-        max_len,
-        head_dim,
-        *,
-        device=None,
-        dtype=torch.float32,
-        static=False,
-    ):
-        shape = tuple(
-            check_positive_int(name, value)
-            for name, value in (
-                ("batch_size", batch_size),
-                ("num_heads", num_heads),
-                ("max_len", max_len),
-                ("head_dim", head_dim),
-            )
-        )
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0
-        self.static = static
-
-    @property
-    def max_len(self) -> int:
-        return self.keys.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store ``k, v (B, h, t, head_dim)`` after the filled part; return all filled
-        keys and values."""
-        B, h, _, head_dim = self.keys.shape
-        if (
-            k.dim() != 4
-            or (k.shape[0], k.shape[1], k.shape[3]) != (B, h, head_dim)
-            or v.shape != k.shape
-        ):
-            raise ValueError(
-                f"KV cache expects keys and values (B={B}, h={h}, t, "
-                f"head_dim={head_dim}), "
-                f"got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        if v.dtype != k.dtype or v.device != k.device:
-            raise ValueError(
-                f"keys and values must share dtype and device, got {k.dtype} on "
-                f"{k.device} "
-                f"and {v.dtype} on {v.device}"
-            )
-        if self.length == 0 and (
-            k.dtype != self.keys.dtype or k.device != self.keys.device
-        ):
-            # follow the activations
-            self.keys = torch.zeros(self.keys.shape, device=k.device, dtype=k.dtype)
-            self.values = torch.zeros(self.values.shape, device=k.device, dtype=k.dtype)
-        if k.dtype != self.keys.dtype or k.device != self.keys.device:
-            raise ValueError(
-                f"KV cache holds {self.keys.dtype} on {self.keys.device}, got keys "
-                f"{k.dtype} on "
-                f"{k.device}: one generation must keep one dtype"
-            )
-        t = k.shape[2]
-        if self.length + t > self.max_len:
-            raise ValueError(
-                f"KV cache holds {self.max_len} tokens; cannot add {t} to the "
-                f"{self.length} stored"
-            )
-        self.keys[:, :, self.length : self.length + t] = k
-        self.values[:, :, self.length : self.length + t] = v
-        self.length += t
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
-
-    def truncate(self, length: int) -> None:
-        """Forget every token after the first ``length``: the next :meth:`append`
-        overwrites them (speculative decoding rolls rejected draft tokens back this
-        way). Nothing is copied."""
-        if (
-            isinstance(length, bool)
-            or not isinstance(length, int)
-            or not 0 <= length <= self.length
-        ):
-            raise ValueError(
-                f"truncate needs a length in [0, {self.length}] (the tokens stored), "
-                f"got {length!r}"
-            )
-        self.length = length
-
-    def nbytes(self) -> int:
-        """Bytes held by the preallocated keys and values."""
-        return self.keys.numel() * self.keys.element_size() * 2
-
-
-def make_caches(
-    num_layers: int,
-    batch_size: int,
-    num_heads: int,
-    head_dim: int,
-    max_len: int,
-    *,
-    memory_len: int | None = None,
-    device=None,
-    dtype=torch.float32,
-):
-    """The library's one cache factory: one :class:`KVCache` of ``max_len`` tokens per
-    layer, or, with ``memory_len`` (an encoder–decoder), a pair per layer: the growing
-    self-attention cache and a static cross-attention cache of ``memory_len`` keys,
-    filled once from the encoder's output."""
-    sizes = dict(device=device, dtype=dtype)
-    if memory_len is None:
-        return [
-            KVCache(batch_size, num_heads, max_len, head_dim, **sizes)
-            for _ in range(num_layers)
-        ]
-    return [
-        (
-            KVCache(batch_size, num_heads, max_len, head_dim, **sizes),
-            KVCache(batch_size, num_heads, memory_len, head_dim, static=True, **sizes),
-        )
-        for _ in range(num_layers)
-    ]
-
-
-class RollingKVCache:
-    """The KV cache of sliding-window attention: the keys and values of the last
-    ``window`` tokens only.
-
-    A query sees itself and the ``window - 1`` tokens before it, so older entries are
-    never read again: the cache keeps at most ``window`` of them in preallocated ``(B,
-    h, window, head_dim)`` tensors, and its memory stays ``2 * B * window * d * bytes``
-    per layer however long the sequence grows. ``length`` counts every token seen (the
-    position of the next one, as for :class:`KVCache`); ``stored`` is how many entries
-    the tensors hold, ``min(length, window)``.
-    :meth:`append` returns the stored entries followed by the new ones, oldest first,
-    trimmed to the ``window - 1 + t`` keys that ``t`` new queries can see; the caller
-    masks them with
-    :func:`~attnbook.masks.sliding_window_mask` (:meth:`key_len` says how many there
-    will be).
-    """
-
-    static = False
-
-    def __init__(
-        self,
-        batch_size,
-        num_heads,
-        window,
-        head_dim,
-        *,
-        device=None,
-        dtype=torch.float32,
-    ):
-        shape = tuple(
-            check_positive_int(name, value)
-            for name, value in (
-                ("batch_size", batch_size),
-                ("num_heads", num_heads),
-                ("window", window),
-                ("head_dim", head_dim),
-            )
-        )
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0  # tokens seen
-        self.stored = 0  # entries held, at most window
-
-    @property
-    def window(self) -> int:
-        return self.keys.shape[2]
-
-    def key_len(self, new_tokens: int) -> int:
-        """How many keys :meth:`append` returns for ``new_tokens`` new tokens."""
-        return min(self.stored + new_tokens, self.window - 1 + new_tokens)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Add ``k, v (B, h, t, head_dim)``; return the keys and values the new queries
-        can see, ``(B, h, key_len(t), head_dim)``, oldest first; keep the last
-        ``window`` of them."""
-        B, h, _, head_dim = self.keys.shape
-        if (
-            k.dim() != 4
-            or (k.shape[0], k.shape[1], k.shape[3]) != (B, h, head_dim)
-            or v.shape != k.shape
-        ):
-            raise ValueError(
-                f"KV cache expects keys and values (B={B}, h={h}, t, "
-                f"head_dim={head_dim}), "
-                f"got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        if self.stored == 0 and (
-            k.dtype != self.keys.dtype or k.device != self.keys.device
-        ):
-            # follow the activations
-            self.keys = torch.zeros(self.keys.shape, device=k.device, dtype=k.dtype)
-            self.values = torch.zeros(self.values.shape, device=k.device, dtype=k.dtype)
-        t = k.shape[2]
-        # (B, h, stored + t, d/h)
-        keys = torch.cat([self.keys[:, :, : self.stored], k.to(self.keys.dtype)], dim=2)
-        values = torch.cat(
-            [self.values[:, :, : self.stored], v.to(self.values.dtype)], dim=2
-        )
-        keep = min(self.window, keys.shape[2])
-        # the last window tokens, oldest first
-        self.keys[:, :, :keep] = keys[:, :, -keep:]
-        self.values[:, :, :keep] = values[:, :, -keep:]
-        self.stored, self.length = keep, self.length + t
-        # the first new query sees window - 1 tokens before it
-        visible = self.window - 1 + t
-        return keys[:, :, -visible:], values[:, :, -visible:]
-
-    def nbytes(self) -> int:
-        """Bytes held by the preallocated keys and values (``2 * B * window * d *
-        bytes``)."""
-        return self.keys.numel() * self.keys.element_size() * 2
-
-
 class MultiHeadAttention(nn.Module):
     """``h`` heads of scaled dot-product attention on ``d_model / h`` slices,
     concatenated and mixed by ``W_o``.
@@ -292,8 +61,8 @@ class MultiHeadAttention(nn.Module):
     cache). In training mode with ``dropout > 0`` the weights are dropped (the fused
     kernel's ``dropout_p`` when no weights are needed) and, as in
     ``nn.MultiheadAttention``, the weights returned are those after dropout. With a
-    :class:`KVCache`, only the new tokens' keys and values are computed and appended
-    (or, for a filled static cache, none at all).
+    cache (:mod:`attnbook.caches`), only the new tokens' keys and values are computed
+    and appended (or, for a filled static cache, none at all).
     """
 
     def __init__(
