@@ -207,14 +207,14 @@ def test_no_grad_and_exported():
 
 
 class CountMatmuls(TorchDispatchMode):
-    """Counts the batched matrix products that run (a 4-D ``@`` is one ``bmm``)."""
+    """Counts the batched matrix products that run (a 4-D ``@`` is one ``bmm``; ``baddbmm`` too)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("bmm", "mm", "matmul"):
+        if func.overloadpacket.__name__ in ("bmm", "mm", "matmul", "baddbmm", "addmm"):
             self.count += 1
         return func(*args, **(kwargs or {}))
 

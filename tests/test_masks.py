@@ -68,12 +68,27 @@ def test_causal_mask_with_key_len_is_the_bottom_right_block_of_the_causal_mask()
         causal_mask(3, key_len=0)
 
 
-def test_is_causal_uses_the_one_causal_mask():
-    """attention.py has no causal mask of its own: is_causal goes through masks.causal_mask."""
-    import attnbook.attention as attention_module
+@pytest.mark.parametrize("query_len, key_len", [(1, 1), (3, 3), (2, 7), (7, 2), (5, 9)])
+def test_the_position_arithmetic_by_hand(query_len, key_len):
+    """key_minus_query, the key stop and the first query, against loops over the definition: query
+    row t is token key_len - query_len + t (bottom right); every mask and tiled loop builds on these."""
+    from attnbook.masks import causal_first_query, causal_key_stop, key_minus_query
 
-    assert not hasattr(attention_module, "_causal_mask")
-    assert attention_module.causal_mask is causal_mask
+    offset = key_len - query_len
+    by_hand = torch.tensor([[j - (offset + i) for j in range(key_len)] for i in range(query_len)])
+    assert torch.equal(key_minus_query(query_len, key_len), by_hand)
+    for query_start in range(query_len):  # a tile of the queries and keys
+        for key_start in range(key_len):
+            tile = key_minus_query(query_len, key_len, query_start=query_start, rows=1,
+                                   key_start=key_start, cols=key_len - key_start)
+            assert torch.equal(tile, by_hand[query_start : query_start + 1, key_start:])
+    causal = causal_mask(query_len, key_len=key_len)
+    for stop in range(1, query_len + 1):  # keys seen by the rows before stop: the last row's
+        seen = (~causal[:stop]).any(0).nonzero().flatten().tolist()
+        assert causal_key_stop(stop, query_len, key_len) == (max(seen) + 1 if seen else 0)
+    for key in range(key_len):
+        rows = (~causal[:, key]).nonzero().flatten().tolist()
+        assert causal_first_query(key, query_len, key_len) == (min(rows) if rows else query_len)
 
 
 def test_attention_mask_for_heads_lives_in_masks():

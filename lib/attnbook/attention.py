@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .masks import causal_mask
+from .masks import causal_key_stop, causal_mask, key_minus_query
 from .utils import check_positive_int
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -208,19 +208,48 @@ def memory_efficient_attention(
     is_causal: bool = False,
 ):
     """Attention that never stores the ``Tq x Tk`` score matrix: keys in blocks, online
-    softmax.
-
-    Queries are processed ``query_block_size`` (default ``block_size``) at a time, all
-    batch and head dims in one batched product; for each query block the keys are
-    visited ``block_size`` at a time, keeping a running max ``m``, a running denominator
-    ``l`` and a running numerator ``acc`` per query (the online softmax of Milakov &
-    Gimelshein, 2018, as in FlashAttention), updated in place. Peak extra memory is one
-    block of scores, ``batch x query_block_size x block_size``, plus the output, instead
-    of ``O(Tq Tk)``; the products, and so the FLOPs, are those of the naive version.
+    softmax (:func:`online_softmax_attention`, which also returns each row's
+    log-sum-exp). Peak extra memory is one block of scores, ``batch x query_block_size
+    x block_size``, plus the output, instead of ``O(Tq Tk)``; the products, and so the
+    FLOPs, are those of the naive version.
 
     Same arguments and mask rules as :func:`scaled_dot_product_attention`. With
     ``is_causal=True`` a block's causal mask is built on the fly, and key blocks
     entirely in the future are skipped. Returns only the output ``(..., Tq, dv)``.
+    """
+    out, _ = online_softmax_attention(
+        q,
+        k,
+        v,
+        mask,
+        block_size=block_size,
+        query_block_size=query_block_size,
+        is_causal=is_causal,
+    )
+    return out.to(q.dtype)
+
+
+def online_softmax_attention(
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    block_size: int = 1024,
+    query_block_size: int | None = None,
+    is_causal: bool = False,
+):
+    """The library's one online softmax: ``(out (..., Tq, dv), lse (..., Tq, 1))``,
+    the attention output and the log-sum-exp ``L = log sum_j exp(s_j)`` of every
+    query's scores (``+inf`` for a query that sees no key), both in float32 for fp16 /
+    bf16 inputs. :func:`memory_efficient_attention` keeps the output; FlashAttention's
+    forward (:mod:`attnbook.flash`) keeps both, for its backward.
+
+    Queries are processed ``query_block_size`` (default ``block_size``) at a time, all
+    batch and head dims in one batched product; for each query block the keys are
+    visited ``block_size`` at a time, keeping a running max ``m``, a running denominator
+    ``l`` and a running numerator ``acc`` per query (Milakov & Gimelshein, 2018, as in
+    FlashAttention), updated in place; the output is ``acc / l`` and ``L = m + log l``.
     """
     _check_qkv(q, k, v)
     block_size = check_positive_int("block_size", block_size)
@@ -245,13 +274,12 @@ def memory_efficient_attention(
     k_t = k.expand(*batch, n_k, d).reshape(-1, n_k, d).to(compute_dtype).transpose(1, 2)
     v = v.expand(*batch, n_k, dv).reshape(-1, n_k, dv).to(compute_dtype)
     out = q.new_empty(q.shape[0], n_q, dv)  # (N, Tq, dv)
-    # query i is token offset + i (causal masks align to the bottom right)
-    offset = n_k - n_q
+    lse = q.new_empty(q.shape[0], n_q, 1)  # (N, Tq, 1)
     for q_start in range(0, n_q, query_block_size):
         rows = min(query_block_size, n_q - q_start)
         q_block = q[:, q_start : q_start + rows]  # (N, bq, d)
-        # later keys: future
-        last_key = n_k if not is_causal else max(0, min(n_k, q_start + rows + offset))
+        # later keys: future (causal masks align to the bottom right)
+        last_key = causal_key_stop(q_start + rows, n_q, n_k) if is_causal else n_k
         m = l = acc = None  # noqa: E741
         for k_start in range(0, last_key, block_size):
             cols = min(block_size, n_k - k_start)
@@ -271,16 +299,21 @@ def memory_efficient_attention(
                 else:
                     # -inf decided in q's dtype
                     scores.add_(block_mask.to(in_dtype).to(compute_dtype))
-            # the block reaches into the future
-            if is_causal and k_start + cols - 1 > q_start + offset:
-                query_pos = torch.arange(
-                    q_start + offset, q_start + offset + rows, device=q.device
-                )
-                key_pos = torch.arange(k_start, k_start + cols, device=q.device)
-                # built on the fly
-                scores.masked_fill_(
-                    key_pos[None, :] > query_pos[:, None], float("-inf")
-                )
+            # the block reaches into its first query's future: a mask built on the fly
+            if is_causal and k_start + cols > causal_key_stop(q_start + 1, n_q, n_k):
+                future = (
+                    key_minus_query(
+                        n_q,
+                        n_k,
+                        query_start=q_start,
+                        rows=rows,
+                        key_start=k_start,
+                        cols=cols,
+                        device=q.device,
+                    )
+                    > 0
+                )  # (bq, bk)
+                scores.masked_fill_(future, float("-inf"))
             block_max = scores.amax(dim=-1, keepdim=True)  # (N, bq, 1)
             m_new = block_max if m is None else torch.maximum(m, block_max)
             # rows blocked so far: exp(-inf - 0) = 0, no NaN
@@ -299,14 +332,18 @@ def memory_efficient_attention(
             del scores, p
         if acc is None:  # no key visible to this whole block
             out[:, q_start : q_start + rows] = 0.0
+            lse[:, q_start : q_start + rows] = math.inf
             continue
+        # L = m + log l; +inf for a query with no visible key (l = 0)
+        lse[:, q_start : q_start + rows] = (m + l.log()).masked_fill_(l == 0, math.inf)
         # 0 / tiny
         torch.div(
             acc,
             l.clamp_min_(torch.finfo(compute_dtype).tiny),
             out=out[:, q_start : q_start + rows],
         )
-    return out.reshape(*batch, n_q, dv).to(in_dtype)  # (..., Tq, dv)
+    # (..., Tq, dv), (..., Tq, 1)
+    return out.reshape(*batch, n_q, dv), lse.reshape(*batch, n_q, 1)
 
 
 # --- validation: every public function above checks its inputs with these

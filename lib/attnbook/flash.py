@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from .attention import _check_qkv
+from .attention import _check_qkv, online_softmax_attention
+from .masks import causal_first_query, causal_key_stop, key_minus_query
 from .utils import check_positive_int
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -35,17 +36,14 @@ def _check_bool(name: str, value) -> None:
 def _key_stop(q_stop: int, n_q: int, n_k: int, is_causal: bool) -> int:
     """Keys ``0 .. stop - 1`` are visible to the last query of a tile ending at
     ``q_stop`` (every key without a causal mask)."""
-    if not is_causal:
-        return n_k
-    return max(0, min(n_k, q_stop + n_k - n_q))
+    return causal_key_stop(q_stop, n_q, n_k) if is_causal else n_k
 
 
 def _first_query(k_start: int, n_q: int, n_k: int, block: int, is_causal: bool) -> int:
     """Start of the first query tile that sees key ``k_start`` (0 without a mask)."""
     if not is_causal:
         return 0
-    first_row = max(0, k_start - (n_k - n_q))  # the first query that sees key k_start
-    return first_row // block * block
+    return causal_first_query(k_start, n_q, n_k) // block * block
 
 
 def flash_tiles(
@@ -77,16 +75,25 @@ def flash_tile_count(
     return len(flash_tiles(query_len, key_len, block_size, is_causal))
 
 
-def _mask_future_(scores: torch.Tensor, q_start: int, k_start: int, offset: int):
+def _mask_future_(scores: torch.Tensor, q_start: int, k_start: int, n_q: int, n_k: int):
     """Set to ``-inf``, in place, the entries of a ``(..., bq, bk)`` tile whose key lies
-    in its query's future (query row ``i`` is token ``i + offset``)."""
+    in its query's future (bottom-right alignment)."""
     rows, cols = scores.shape[-2:]
-    if k_start + cols - 1 <= q_start + offset:  # the first query sees every key
+    if k_start + cols <= causal_key_stop(q_start + 1, n_q, n_k):  # all seen by row 1
         return
-    device = scores.device
-    query_pos = torch.arange(q_start + offset, q_start + offset + rows, device=device)
-    key_pos = torch.arange(k_start, k_start + cols, device=device)
-    scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    future = (
+        key_minus_query(
+            n_q,
+            n_k,
+            query_start=q_start,
+            rows=rows,
+            key_start=k_start,
+            cols=cols,
+            device=scores.device,
+        )
+        > 0
+    )  # (bq, bk)
+    scores.masked_fill_(future, float("-inf"))
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -97,37 +104,11 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal: bool, block_size: int):
-        B, h, n_q, d = q.shape
-        n_k, dv = k.shape[-2], v.shape[-1]
-        compute = torch.float32 if q.dtype in _LOW_PRECISION else q.dtype
-        qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)  # no copy in fp32
-        scale = 1.0 / math.sqrt(d)
-        out = q.new_empty(B, h, n_q, dv, dtype=compute)
-        lse = q.new_empty(B, h, n_q, 1, dtype=compute)  # log-sum-exp of each row
-        for q_start in range(0, n_q, block_size):  # outer loop: query tiles
-            q_stop = min(q_start + block_size, n_q)
-            q_tile = qc[:, :, q_start:q_stop] * scale  # (B, h, bq, d)
-            m = q.new_full((B, h, q_stop - q_start, 1), -math.inf, dtype=compute)
-            l = torch.zeros_like(m)  # running sum of exp(s - m)  # noqa: E741
-            acc = q.new_zeros(B, h, q_stop - q_start, dv, dtype=compute)
-            key_stop = _key_stop(q_stop, n_q, n_k, is_causal)  # later keys: future
-            for k_start in range(0, key_stop, block_size):  # inner loop: key tiles
-                k_stop = min(k_start + block_size, n_k)
-                k_tile = kc[:, :, k_start:k_stop]  # (B, h, bk, d)
-                s = q_tile @ k_tile.transpose(-2, -1)  # (B, h, bq, bk)
-                if is_causal:
-                    _mask_future_(s, q_start, k_start, n_k - n_q)
-                m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (B, h, bq, 1)
-                m_safe = m_new.nan_to_num(neginf=0.0)  # a row with no key yet: no NaN
-                p = torch.exp(s - m_safe)  # (B, h, bq, bk)
-                correction = torch.exp(m - m_safe)  # (B, h, bq, 1): rescales old sums
-                l = l * correction + p.sum(dim=-1, keepdim=True)  # noqa: E741
-                acc = acc * correction + p @ vc[:, :, k_start:k_stop]  # (B, h, bq, dv)
-                m = m_new
-            out[:, :, q_start:q_stop] = acc / l.clamp_min(torch.finfo(compute).tiny)
-            # L = m + log l; +inf in a row with no visible key, so exp(s - L) = 0 there
-            row_lse = (m + torch.log(l)).masked_fill(l == 0, math.inf)  # (B, h, bq, 1)
-            lse[:, :, q_start:q_stop] = row_lse
+        # chapter 7's online softmax, query tiles outer and key tiles inner, keeping
+        # the log-sum-exp L of every row as well as the output (in fp32 for fp16/bf16)
+        out, lse = online_softmax_attention(
+            q, k, v, block_size=block_size, is_causal=is_causal
+        )  # (B, h, Tq, dv), (B, h, Tq, 1)
         ctx.save_for_backward(q, k, v, out, lse)  # O(T d) numbers: no T x T tensor
         ctx.is_causal, ctx.block_size = is_causal, block_size
         return out.to(q.dtype)  # (B, h, Tq, dv)
@@ -164,7 +145,7 @@ class FlashAttentionFunction(torch.autograd.Function):
                 q_tile = q_scaled[:, :, q_start:q_stop]  # (B, h, bq, d)
                 s = q_tile @ k_tile.transpose(-2, -1)  # (B, h, bq, bk): recomputed
                 if is_causal:
-                    _mask_future_(s, q_start, k_start, n_k - n_q)
+                    _mask_future_(s, q_start, k_start, n_q, n_k)
                 p = torch.exp(s - lse[:, :, q_start:q_stop])  # (B, h, bq, bk): weights
                 do_tile = do[:, :, q_start:q_stop]  # (B, h, bq, dv)
                 dv_tile += p.transpose(-2, -1) @ do_tile  # dV = P^T dO

@@ -13,6 +13,42 @@ import torch
 from .utils import check_non_negative_int, check_positive_int
 
 
+def key_minus_query(
+    query_len: int,
+    key_len: int,
+    *,
+    query_start: int = 0,
+    rows: int | None = None,
+    key_start: int = 0,
+    cols: int | None = None,
+    device=None,
+) -> torch.Tensor:
+    """The one home of attention's position arithmetic: ``(rows, cols)``, for query row
+    ``query_start + i`` and key ``key_start + j``, the key's position minus the
+    query's. The queries are aligned to the bottom right, as with a KV cache: query row
+    ``t`` is token ``key_len - query_len + t``. Positive: the key lies in the query's
+    future; 0: the query itself; ``-k``: ``k`` tokens back. ``rows`` and ``cols``
+    default to the rest of the queries and keys (a tile of them otherwise)."""
+    rows = query_len - query_start if rows is None else rows
+    cols = key_len - key_start if cols is None else cols
+    first = key_len - query_len + query_start  # the token of query row query_start
+    query_pos = torch.arange(first, first + rows, device=device)  # (rows,)
+    key_pos = torch.arange(key_start, key_start + cols, device=device)  # (cols,)
+    return key_pos[None, :] - query_pos[:, None]  # (rows, cols)
+
+
+def causal_key_stop(query_stop: int, query_len: int, key_len: int) -> int:
+    """Under a causal mask, the queries before row ``query_stop`` see keys ``0 ..
+    stop - 1`` and no later ones (aligned to the bottom right, as
+    :func:`key_minus_query`)."""
+    return max(0, min(key_len, query_stop + key_len - query_len))
+
+
+def causal_first_query(key_start: int, query_len: int, key_len: int) -> int:
+    """Under a causal mask, the first query row that sees key ``key_start``."""
+    return max(0, key_start - (key_len - query_len))
+
+
 def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Tensor:
     """``(n, n)`` bool mask, ``True`` above the diagonal: token ``i`` may not see tokens
     ``j > i``.
@@ -26,9 +62,7 @@ def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Ten
     """
     n = check_positive_int("n", n)
     key_len = n if key_len is None else check_positive_int("key_len", key_len)
-    return torch.ones(n, key_len, dtype=torch.bool, device=device).triu(
-        diagonal=key_len - n + 1
-    )
+    return key_minus_query(n, key_len, device=device) > 0  # the key is in the future
 
 
 def sliding_window_mask(
@@ -55,11 +89,8 @@ def sliding_window_mask(
             "1)"
         )
     window = check_positive_int("window", window)
-    # (Tq, 1)
-    query_pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]
-    key_pos = torch.arange(key_len, device=device)[None, :]  # (1, Tk)
-    # (Tq, Tk): future, or too far back
-    return (key_pos > query_pos) | (key_pos <= query_pos - window)
+    offset = key_minus_query(query_len, key_len, device=device)  # (Tq, Tk)
+    return (offset > 0) | (offset <= -window)  # future, or too far back
 
 
 def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .masks import key_minus_query
 from .utils import check_positive_int
 
 
@@ -327,9 +328,7 @@ def alibi_bias(
         check_positive_int("query_len", query_len),
         check_positive_int("key_len", key_len),
     )
-    query_pos = torch.arange(key_len - query_len, key_len, device=device)  # (Tq,)
-    # (Tq, Tk): j - i
-    offset = torch.arange(key_len, device=device)[None, :] - query_pos[:, None]
+    offset = key_minus_query(query_len, key_len, device=device)  # (Tq, Tk): j - i
     # (h, Tq, Tk) = -m_h (i - j), 0 (not -0) on the diagonal
     return slopes[:, None, None] * offset.float()
 
