@@ -14,6 +14,17 @@ def test_device_is_a_torch_device_and_can_be_forced(monkeypatch):
     assert device() == torch.device("cpu")
 
 
+def test_device_is_cuda_else_the_cpu_and_mps_only_when_asked(monkeypatch):
+    """MPS is never picked by itself, even where it is available: only ATTNBOOK_DEVICE=mps."""
+    monkeypatch.delenv("ATTNBOOK_DEVICE", raising=False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert device() == torch.device("cuda" if cuda else "cpu")
+    monkeypatch.setenv("ATTNBOOK_DEVICE", "mps")
+    assert device() == torch.device("mps")
+
+
 def test_gpu_settings_startup_turns_on_gpu_on_and_keeps_the_device(monkeypatch):
     # `make gpu-settings` runs this file in every kernel before the first cell
     monkeypatch.setenv("ATTNBOOK_DEVICE", "cpu")
