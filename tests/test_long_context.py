@@ -83,36 +83,70 @@ def test_scale_one_is_plain_rope_for_every_method(method):
     assert torch.equal(apply_rope(x, 5, scale=1.0, method=method, original_length=32), apply_rope(x, 5))
 
 
+def transformers_inverse_frequencies(rope_type, dim, original_length, seq_len=None, **parameters):
+    """transformers' RoPE initialisation (what its Llama-family models rotate by), for one head of
+    ``dim``: ``(inverse frequencies (dim/2,), attention factor)``."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=dim, num_attention_heads=1, head_dim=dim,
+                         max_position_embeddings=original_length,
+                         rope_parameters={"rope_theta": 10000.0, "rope_type": rope_type, **parameters})
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+
+
 @pytest.mark.parametrize("scale", [2.0, 4, 8.0])
-def test_linear_scaling_is_position_interpolation(scale):
-    positions = torch.arange(0, 64)
-    scaled = rope_angles(positions, 16, scale=scale, method="linear")
-    torch.testing.assert_close(scaled, rope_angles(positions.float() / scale, 16))
-    # the angles at position scale * p are the unscaled ones at p
-    torch.testing.assert_close(scaled[:: int(scale)], rope_angles(torch.arange(0, math.ceil(64 / scale)), 16))
+def test_linear_scaling_matches_transformers(scale):
+    """Position interpolation: transformers divides the frequencies by the factor, we the positions."""
+    inverse, factor = transformers_inverse_frequencies("linear", 64, 256, factor=float(scale))
+    positions = torch.arange(0, 300)
+    torch.testing.assert_close(rope_angles(positions, 64, scale=scale, method="linear"),
+                               positions.float()[:, None] * inverse, rtol=1e-6, atol=1e-5)
+    assert factor == 1.0
 
 
-def test_ntk_scaling_changes_the_base():
-    dim, scale = 16, 4.0
-    angles = rope_angles(torch.arange(50), dim, scale=scale, method="ntk")
-    torch.testing.assert_close(angles, rope_angles(torch.arange(50), dim, base=10000.0 * scale ** (dim / (dim - 2))))
-    plain = rope_angles(torch.arange(50), dim)
-    torch.testing.assert_close(angles[:, 0], plain[:, 0])  # the fastest pair is unchanged
-    torch.testing.assert_close(angles[:, -1], plain[:, -1] / scale)  # the slowest is interpolated by scale
+@pytest.mark.parametrize("scale", [2.0, 4.0, 8.0])
+def test_ntk_scaling_matches_transformers_dynamic_ntk_at_its_length(scale):
+    """NTK-aware scaling (bloc97) raises the base to base * s^(d/(d-2)). transformers implements only
+    its dynamic form, base * (s T / L - (s - 1))^(d/(d-2)) at sequence length T; the two agree where
+    the multiplier equals s, at T = L (2 - 1/s)."""
+    dim, original = 64, 256
+    inverse, _ = transformers_inverse_frequencies("dynamic", dim, original, factor=scale,
+                                                  seq_len=round(original * (2 - 1 / scale)))
+    theta = rope_angles(torch.ones(1), dim, scale=scale, method="ntk")[0]
+    torch.testing.assert_close(theta, inverse, rtol=1e-6, atol=0)
+    plain = rope_angles(torch.ones(1), dim)[0]
+    assert theta[0] == plain[0]  # the fastest pair is unchanged
+    torch.testing.assert_close(theta[-1], plain[-1] / scale)  # the slowest is interpolated by s
     assert torch.equal(rope_angles(torch.arange(5), 2, scale=scale, method="ntk"), rope_angles(torch.arange(5), 2))
 
 
-def test_yarn_keeps_fast_pairs_and_interpolates_slow_ones():
+def test_yarn_matches_transformers_where_the_paper_and_it_agree():
+    """YaRN keeps the frequency of the pairs that turn more than beta = 32 times within the trained
+    length and interpolates (divides by s) those that turn less than alpha = 1 time; both do, and both
+    multiply the attention by 0.1 ln s + 1. In between they differ: the paper ramps linearly in the
+    number of turns r, gamma = (r - 1) / 31, while transformers ramps linearly in the pair's index
+    (that is, in log r) and widens the ramp to whole pairs (truncate=True); both stay between theta / s
+    and theta."""
     dim, scale, original = 64, 4.0, 256
+    inverse, factor = transformers_inverse_frequencies("yarn", dim, original, factor=scale,
+                                                       original_max_position_embeddings=original)
+    assert factor == pytest.approx(yarn_attention_factor(scale))
+    ours = rope_angles(torch.ones(1), dim, scale=scale, method="yarn", original_length=original)[0]
     theta = rope_angles(torch.ones(1), dim)[0]  # (dim/2,)
     turns = original * theta / (2 * math.pi)
-    yarn = rope_angles(torch.ones(1), dim, scale=scale, method="yarn", original_length=original)[0]
     fast, slow = turns > 32, turns < 1
-    assert fast.any() and slow.any() and (~fast & ~slow).any()
-    torch.testing.assert_close(yarn[fast], theta[fast])
-    torch.testing.assert_close(yarn[slow], theta[slow] / scale)
+    assert fast.sum() >= 1 and slow.sum() >= 10
+    torch.testing.assert_close(ours[fast], inverse[fast])  # kept
+    torch.testing.assert_close(ours[slow], inverse[slow])  # interpolated: theta / s
+    torch.testing.assert_close(ours[slow], theta[slow] / scale)
     middle = ~fast & ~slow
-    assert ((yarn[middle] < theta[middle]) & (yarn[middle] > theta[middle] / scale)).all()
+    for angles in (ours, inverse):
+        assert ((angles[middle] <= theta[middle]) & (angles[middle] >= theta[middle] / scale)).all()
+    # the paper's ramp, linear in the turns: gamma = (r - 1) / 31
+    gamma = ((turns[middle] - 1) / 31).clamp(0, 1)
+    torch.testing.assert_close(ours[middle], (1 - gamma) * theta[middle] / scale + gamma * theta[middle])
+    assert (ours[middle] - inverse[middle]).abs().max() > 0.05 * theta[middle].min()  # they differ
 
 
 def test_yarn_ramp_and_attention_factor():
