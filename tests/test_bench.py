@@ -75,7 +75,7 @@ def test_generate_vs_floor_raises_when_the_tokens_differ(monkeypatch):
     monkeypatch.setattr(bench, "GPT_SIZES", dict(vocab_size=256, d_model=16, num_heads=2, num_layers=1, max_len=64))
     monkeypatch.setattr(bench, "floor_generate", lambda model, prompt, n: torch.zeros(1, 16 + n, dtype=torch.long))
     with pytest.raises(RuntimeError, match="floor_generate's tokens differ"):
-        bench.generate_vs_floor(new_tokens=4, repeats=1)
+        bench.generate_vs_floor(max_new_tokens=4, repeats=1)
 
 
 def test_only_rejects_an_unknown_group():

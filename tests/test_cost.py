@@ -357,9 +357,9 @@ def test_benchmark_pieces_run_small():
         assert ratio > 0 and match
     ratio, match = bench.mha_vs_torch(cpu, repeats=1, batch=1, n=8, d_model=16, heads=2)
     assert ratio > 0 and match
-    speedup, identical = bench.kv_cache_speedup(new_tokens=3, repeats=1)
+    speedup, identical = bench.kv_cache_speedup(max_new_tokens=3, repeats=1)
     assert speedup > 0 and identical
-    assert bench.generate_vs_transformers(new_tokens=3, repeats=1) > 0
+    assert bench.generate_vs_transformers(max_new_tokens=3, repeats=1) > 0
     assert bench.train_step_vs_transformers(repeats=1, batch=1, length=8) > 0
     memory_ratio, efficient, naive = bench.efficient_attention_peak_memory(cpu, n=2048, head_dim=8)
     assert 2048 * 2048 * 4 <= naive < 1.1 * 2048 * 2048 * 4  # the naive reference holds exactly one n x n matrix

@@ -198,16 +198,18 @@ def _prompt(prompt_len: int = 16) -> torch.Tensor:
     )
 
 
-def kv_cache_speedup(new_tokens: int, repeats: int) -> tuple[float, bool]:
-    """Uncached / cached time to generate ``new_tokens`` on one CPU thread; and whether
-    the tokens are identical."""
+def kv_cache_speedup(max_new_tokens: int, repeats: int) -> tuple[float, bool]:
+    """Uncached / cached time to generate ``max_new_tokens`` on one CPU thread; and
+    whether the tokens are identical."""
     torch.manual_seed(0)
     model = GPT(**GPT_SIZES).eval()
     prompt = _prompt()
     outputs = {}
 
     def run(use_cache):
-        outputs[use_cache] = generate(model, prompt, new_tokens, use_cache=use_cache)
+        outputs[use_cache] = generate(
+            model, prompt, max_new_tokens, use_cache=use_cache
+        )
 
     with num_threads(1):
         uncached, cached = measure_interleaved(
@@ -244,7 +246,7 @@ def transformers_gpt2():
         return GPT2LMHeadModel(config)
 
 
-def generate_vs_transformers(new_tokens: int, repeats: int) -> float:
+def generate_vs_transformers(max_new_tokens: int, repeats: int) -> float:
     """Our cached greedy ``generate`` / ``GPT2LMHeadModel.generate`` (use_cache,
     greedy), both on the CPU."""
     torch.manual_seed(0)
@@ -259,14 +261,14 @@ def generate_vs_transformers(new_tokens: int, repeats: int) -> float:
             out = theirs.generate(
                 prompt,
                 attention_mask=attention_mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
                 do_sample=False,
                 use_cache=True,
                 num_beams=1,
                 pad_token_id=0,
             )
-        if out.shape[1] != prompt.shape[1] + new_tokens:
+        if out.shape[1] != prompt.shape[1] + max_new_tokens:
             raise RuntimeError(
                 "GPT2LMHeadModel.generate stopped after "
                 f"{out.shape[1] - prompt.shape[1]} tokens"
@@ -274,7 +276,7 @@ def generate_vs_transformers(new_tokens: int, repeats: int) -> float:
 
     with num_threads(1):
         ours_time, theirs_time = measure_interleaved(
-            [lambda: generate(ours, prompt, new_tokens), run_theirs],
+            [lambda: generate(ours, prompt, max_new_tokens), run_theirs],
             repeats=repeats,
             warmup=1,
         )
@@ -328,31 +330,32 @@ def _floor_layers(gpt: GPT) -> list[tuple[torch.Tensor | float, ...]]:
 
 
 @torch.no_grad()
-def floor_generate(gpt: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """Greedy generation with ``gpt``'s weights by the kernels alone: the floor for
     :func:`generate`.
 
-    ``prompt (B, T0)`` -> ``(B, T0 + new_tokens)``, the same tokens as ``generate(gpt,
-    prompt, new_tokens)`` for a pre-norm GELU :class:`~attnbook.models.GPT` in eval mode
-    (dropout is not applied). One ``F.*`` call per operation, keys and values written in
-    place into tensors allocated once, no module calls and no checks of the tensors:
-    what is left is the arithmetic. Gradients are off, as in :func:`generate`.
+    ``prompt (B, T0)`` -> ``(B, T0 + max_new_tokens)``, the same tokens as
+    ``generate(gpt, prompt, max_new_tokens)`` for a pre-norm GELU
+    :class:`~attnbook.models.GPT` in eval mode (dropout is not applied). One ``F.*``
+    call per operation, keys and values written in place into tensors allocated once,
+    no module calls and no checks of the tensors: what is left is the arithmetic.
+    Gradients are off, as in :func:`generate`.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(
             f"prompt must be (B, T0) with T0 >= 1, got shape {tuple(prompt.shape)}"
         )
     if (
-        isinstance(new_tokens, bool)
-        or not isinstance(new_tokens, int)
-        or new_tokens < 1
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
     ):
-        raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     B, T0 = prompt.shape
-    total = T0 + new_tokens
+    total = T0 + max_new_tokens
     if total > gpt.max_len:
         raise ValueError(
-            f"prompt of {T0} tokens + new_tokens={new_tokens} exceeds "
+            f"prompt of {T0} tokens + max_new_tokens={max_new_tokens} exceeds "
             f"max_len={gpt.max_len}"
         )
     if not isinstance(gpt.final_norm, nn.LayerNorm):
@@ -437,7 +440,7 @@ def floor_generate(gpt: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Ten
     return tokens
 
 
-def generate_vs_floor(new_tokens: int, repeats: int) -> float:
+def generate_vs_floor(max_new_tokens: int, repeats: int) -> float:
     """Our cached greedy ``generate`` / :func:`floor_generate` over the same weights, on
     one CPU thread.
 
@@ -449,7 +452,7 @@ def generate_vs_floor(new_tokens: int, repeats: int) -> float:
     outputs = {}
 
     def run(name, loop):
-        outputs[name] = loop(model, prompt, new_tokens)
+        outputs[name] = loop(model, prompt, max_new_tokens)
 
     with num_threads(1):
         ours_time, floor_time = measure_interleaved(
@@ -558,9 +561,11 @@ def main(argv=None) -> int:
         )
     device = default_device()
     if args.quick:
-        n_attention, n_memory, new_tokens, repeats, slow_repeats = 1024, 2048, 128, 3, 1
+        n_attention, n_memory, max_new_tokens = 1024, 2048, 128
+        repeats, slow_repeats = 3, 1
     else:
-        n_attention, n_memory, new_tokens, repeats, slow_repeats = 4096, 8192, 512, 5, 3
+        n_attention, n_memory, max_new_tokens = 4096, 8192, 512
+        repeats, slow_repeats = 5, 3
     print(
         f"machine: {cpu_model()}, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}, "
@@ -603,19 +608,21 @@ def main(argv=None) -> int:
         report("efficient_attention_peak_memory", n_memory, ratio, digits=4)
         print(f"peak_bytes_{n_memory}: efficient {efficient} naive {naive}", flush=True)
     if "kv_cache" in only:
-        speedup, identical = kv_cache_speedup(new_tokens, slow_repeats)
-        report("kv_cache_speedup", new_tokens, speedup, digits=1)
+        speedup, identical = kv_cache_speedup(max_new_tokens, slow_repeats)
+        report("kv_cache_speedup", max_new_tokens, speedup, digits=1)
         print(f"kv_cache_tokens_identical: {identical}", flush=True)
         if not identical:
             missed.append("kv_cache_tokens_identical")
     if "generation" in only:
         report(
             "generate_vs_transformers",
-            new_tokens,
-            generate_vs_transformers(new_tokens, slow_repeats),
+            max_new_tokens,
+            generate_vs_transformers(max_new_tokens, slow_repeats),
         )
         report(
-            "generate_vs_floor", new_tokens, generate_vs_floor(new_tokens, slow_repeats)
+            "generate_vs_floor",
+            max_new_tokens,
+            generate_vs_floor(max_new_tokens, slow_repeats),
         )
     if "training" in only:
         report("train_step_vs_transformers", None, train_step_vs_transformers(repeats))
