@@ -78,7 +78,7 @@ def test_random_batch_targets_are_the_next_tokens():
     assert x.shape == y.shape == (8, 16)
     assert torch.equal(y, x + 1)  # in arange, the next token is the id + 1
     assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # windows are contiguous
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match=r"need at least seq_len \+ 1 = 101 ids, got 100"):
         data.random_batch(ids, 8, 100)
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         data.random_batch(ids, 0, 16)

@@ -85,7 +85,7 @@ def test_sampler_deals_disjoint_shares_that_cover_the_global_batch():
     dataset, _ = windows_dataset(config)
     x0, _ = next(rank_batches(dataset, config, 0, 2))
     x1, _ = next(rank_batches(dataset, config, 1, 2))
-    assert x0.shape == x1.shape == (4, config.block_size)  # per-rank batch = global batch / world size
+    assert x0.shape == x1.shape == (4, config.seq_len)  # per-rank batch = global batch / world size
     assert not any(torch.equal(a, b) for a in x0 for b in x1)
 
 

@@ -218,24 +218,24 @@ def train_val_split(
 
 
 def random_batch(
-    ids: torch.Tensor, batch_size: int, block_size: int, *, generator=None, device=None
+    ids: torch.Tensor, batch_size: int, seq_len: int, *, generator=None, device=None
 ):
-    """``batch_size`` random windows of ``block_size + 1`` ids from the 1-D ``ids``.
+    """``batch_size`` random windows of ``seq_len + 1`` ids from the 1-D ``ids``.
 
-    Returns ``(x, y)``, each ``(B, T)`` with ``T = block_size``: ``y[:, t] = x[:, t +
+    Returns ``(x, y)``, each ``(B, T)`` with ``T = seq_len``: ``y[:, t] = x[:, t +
     1]`` in the text, the next token at every position.
     """
-    batch_size, block_size = (
+    batch_size, seq_len = (
         check_positive_int("batch_size", batch_size),
-        check_positive_int("block_size", block_size),
+        check_positive_int("seq_len", seq_len),
     )
-    if len(ids) < block_size + 1:
+    if len(ids) < seq_len + 1:
         raise ValueError(
-            f"need at least block_size + 1 = {block_size + 1} ids, got {len(ids)}"
+            f"need at least seq_len + 1 = {seq_len + 1} ids, got {len(ids)}"
         )
     # (B,)
-    starts = torch.randint(len(ids) - block_size, (batch_size,), generator=generator)
-    offsets = torch.arange(block_size + 1)  # (T + 1,)
+    starts = torch.randint(len(ids) - seq_len, (batch_size,), generator=generator)
+    offsets = torch.arange(seq_len + 1)  # (T + 1,)
     windows = ids[starts[:, None] + offsets]  # (B, T + 1)
     return windows[:, :-1].to(device), windows[:, 1:].to(device)
 

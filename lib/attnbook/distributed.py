@@ -70,7 +70,7 @@ class Config:
     steps: int = 20  # optimizer steps
     # windows per step over all ranks; each rank reads global_batch / world_size
     global_batch: int = 16
-    block_size: int = 32  # characters per window
+    seq_len: int = 32  # characters per window
     d_model: int = 64
     num_heads: int = 4
     num_layers: int = 2
@@ -87,7 +87,7 @@ class Config:
         for name in (
             "steps",
             "global_batch",
-            "block_size",
+            "seq_len",
             "d_model",
             "num_heads",
             "num_layers",
@@ -124,17 +124,17 @@ def windows_dataset(config: Config) -> tuple[TensorDataset, int]:
     """``(dataset, vocab_size)``: ``config.num_windows`` fixed windows ``(x, y)`` of the
     Shakespeare training text (``y`` is ``x`` shifted by one character), drawn with
     ``generator(config.seed)``."""
-    return _windows(config.seed + seed_offset(), config.num_windows, config.block_size)
+    return _windows(config.seed + seed_offset(), config.num_windows, config.seq_len)
 
 
 @lru_cache(maxsize=4)  # the references and the demonstrations reuse the same windows
-def _windows(seed: int, num_windows: int, block_size: int) -> tuple[TensorDataset, int]:
+def _windows(seed: int, num_windows: int, seq_len: int) -> tuple[TensorDataset, int]:
     text = load_shakespeare()
     tokenizer = CharTokenizer.from_text(text)
     train_ids, _ = train_val_split(tokenizer.encode(text))
     # = generator(config.seed): the offset is already in `seed`
     g = torch.Generator().manual_seed(seed)
-    x, y = random_batch(train_ids, num_windows, block_size, generator=g)
+    x, y = random_batch(train_ids, num_windows, seq_len, generator=g)
     return TensorDataset(x, y), len(tokenizer)
 
 
@@ -195,7 +195,7 @@ def build_model(vocab_size: int, config: Config) -> GPT:
         config.d_model,
         config.num_heads,
         config.num_layers,
-        max_len=config.block_size,
+        max_len=config.seq_len,
     )
 
 
