@@ -221,8 +221,10 @@ def ctc_loss(
     summed over every alignment, by the forward (alpha) recursion in log space. Returns
     ``(B,)``.
 
-    Shapes as ``F.ctc_loss``: ``log_probs (T, B, C)`` (log-probabilities; any float
-    values are used as they are), ``targets (B, S)`` padded after each of
+    Shapes as ``F.ctc_loss``, time first, so that it is checked against it:
+    ``log_probs (T, B, C)`` (log-probabilities; any float values are used as they are;
+    the models and :func:`ctc_greedy_decode` are batch first: pass ``(B, T, C)``
+    transposed), ``targets (B, S)`` padded after each of
     ``target_lengths (B,)`` (values in ``[0, S]``), ``input_lengths (B,)`` in ``[1,
     T]``. The result equals ``F.ctc_loss(..., reduction="none")``: ``+inf`` where no
     alignment fits in the utterance's frames (fewer than ``U +`` the number of repeated
@@ -333,8 +335,9 @@ def ctc_greedy_decode(
     """Best path decoding: the most likely class in each frame, repeats collapsed, then
     blanks dropped.
 
-    ``log_probs (B, T, C)``, ``lengths (B,)`` -> one list of class ids per sequence
-    (``blank`` excluded).
+    ``log_probs (B, T, C)``, batch first as the models' outputs (:func:`ctc_loss` takes
+    them time first, as ``F.ctc_loss``), ``lengths (B,)`` -> one list of class ids per
+    sequence (``blank`` excluded).
     """
     if log_probs.dim() != 3 or lengths.shape != log_probs.shape[:1]:
         raise ValueError(
