@@ -131,3 +131,22 @@ def test_package_file_finds_files_in_installed_wheels_and_says_what_to_install()
         package_file("no_such_package_xyz", "data.csv", pip_name="no-such-wheel")
     with pytest.raises(FileNotFoundError, match="no_such_file.csv not found.*pip install --force-reinstall torch"):
         package_file("torch", "no_such_file.csv")
+
+
+def test_every_module_lists_its_public_names_sorted():
+    """Each module's __all__ holds every public function and class it defines, sorted; the package's
+    own __all__ is sorted and every name in it imports."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    for info in pkgutil.iter_modules(attnbook.__path__):
+        module = importlib.import_module(f"attnbook.{info.name}")
+        defined = {name for name, obj in vars(module).items()
+                   if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                   and obj.__module__ == module.__name__}
+        assert list(module.__all__) == sorted(module.__all__), info.name
+        assert defined <= set(module.__all__), (info.name, sorted(defined - set(module.__all__)))
+        assert all(hasattr(module, name) for name in module.__all__), info.name
+    assert list(attnbook.__all__) == sorted(attnbook.__all__)
+    assert all(hasattr(attnbook, name) for name in attnbook.__all__)

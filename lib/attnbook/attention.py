@@ -448,3 +448,13 @@ def _check_dropout(dropout_p) -> float:
     ):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
+
+
+__all__ = [
+    "AdditiveAttention",
+    "check_mask",
+    "masked_softmax",
+    "memory_efficient_attention",
+    "online_softmax_attention",
+    "scaled_dot_product_attention",
+]

@@ -361,3 +361,17 @@ def griffin_lim(
         magnitude * angles, n_fft, hop_length, window=window, length=length
     )
     return waveform, torch.tensor(history)
+
+
+__all__ = [
+    "add_noise",
+    "griffin_lim",
+    "hz_to_mel",
+    "log_mel_spectrogram",
+    "mel_filterbank",
+    "mel_to_hz",
+    "mel_to_linear",
+    "pad_or_trim",
+    "read_wav",
+    "spectral_convergence",
+]

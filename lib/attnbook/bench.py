@@ -640,3 +640,19 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+__all__ = [
+    "cpu_model",
+    "efficient_attention_peak_memory",
+    "efficient_attention_vs_torch",
+    "floor_generate",
+    "generate_vs_floor",
+    "generate_vs_transformers",
+    "kv_cache_speedup",
+    "main",
+    "mha_vs_torch",
+    "naive_attention",
+    "train_step_vs_transformers",
+    "transformers_gpt2",
+]

@@ -323,3 +323,14 @@ def encode_sentences(
     # (N, d): key_padding_mask True at padding
     pooled = mean_pool(hidden, attention_mask == 0)
     return nn.functional.normalize(pooled, dim=-1)
+
+
+__all__ = [
+    "BertEncoder",
+    "bert_weight_names",
+    "encode_sentences",
+    "load_bert_weights",
+    "load_minilm",
+    "minilm_dir",
+    "tokenize",
+]

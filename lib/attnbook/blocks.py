@@ -324,3 +324,11 @@ def _check_same_layout(ours: nn.Module, reference: nn.Module) -> None:
 def _copy_feed_forward(ours: FeedForward, reference: nn.Module) -> None:
     ours.fc1.load_state_dict(reference.linear1.state_dict())
     ours.fc2.load_state_dict(reference.linear2.state_dict())
+
+
+__all__ = [
+    "DecoderBlock",
+    "DecoderOnlyBlock",
+    "EncoderBlock",
+    "FeedForward",
+]

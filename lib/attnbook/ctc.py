@@ -705,3 +705,15 @@ class Seq2SeqSpeechModel(nn.Module):
         return [
             seq[: seq.index(self.eos)] if self.eos in seq else seq for seq in sequences
         ]
+
+
+__all__ = [
+    "CTCModel",
+    "FeatureEncoder",
+    "Seq2SeqSpeechModel",
+    "ctc_best_alignment",
+    "ctc_greedy_decode",
+    "ctc_log_alpha",
+    "ctc_loss",
+    "ctc_prefix_beam_search",
+]

@@ -735,3 +735,29 @@ def make_digit_sequences(
     # (N, T_max, F)
     features = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
     return features, torch.tensor(lengths), targets, counts
+
+
+__all__ = [
+    "CharTokenizer",
+    "Vocabulary",
+    "WordTokenizer",
+    "load_mnist_5k",
+    "load_shakespeare",
+    "load_spoken_digits",
+    "make_digit_sequences",
+    "mask_tokens",
+    "mnist_5k_path",
+    "ngram_cross_entropy",
+    "number_split",
+    "number_to_words",
+    "pad_batch",
+    "plain_words",
+    "random_batch",
+    "random_shift",
+    "seq2seq_batch",
+    "shuffled_lines",
+    "spoken_digits_path",
+    "stratified_split",
+    "train_val_split",
+    "verse_lines",
+]

@@ -563,3 +563,24 @@ def launch(
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = [
+    "BucketLog",
+    "Config",
+    "backend_and_device",
+    "build_model",
+    "build_optimizer",
+    "global_batches",
+    "launch",
+    "main",
+    "next_token_loss",
+    "rank_batches",
+    "stored_numbers",
+    "train_averaging",
+    "train_ddp",
+    "train_fsdp",
+    "train_single",
+    "train_steps",
+    "windows_dataset",
+]

@@ -723,3 +723,14 @@ def speculative_generate(
             for cache in draft_caches:
                 cache.truncate(min(cache.length, end - 1))
         return tokens, stats
+
+
+__all__ = [
+    "SpeculativeStats",
+    "beam_search",
+    "generate",
+    "next_token",
+    "sampling_probabilities",
+    "speculative_generate",
+    "truncate_logits",
+]

@@ -215,3 +215,15 @@ def attention_mask_for_heads(
     if mask is None or mask.dtype == torch.bool:
         return combine_masks(mask, padding)
     return mask.masked_fill(padding, float("-inf"))
+
+
+__all__ = [
+    "attention_mask_for_heads",
+    "causal_first_query",
+    "causal_key_stop",
+    "causal_mask",
+    "combine_masks",
+    "key_minus_query",
+    "padding_mask",
+    "sliding_window_mask",
+]

@@ -102,3 +102,12 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     return error_rate(
         [normalize_text(r) for r in references], [normalize_text(h) for h in hypotheses]
     )
+
+
+__all__ = [
+    "edit_distance",
+    "edit_operations",
+    "error_rate",
+    "normalize_text",
+    "word_error_rate",
+]

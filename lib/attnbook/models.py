@@ -647,3 +647,12 @@ class EncoderDecoderModel(nn.Module):
     def decode_step(self, tokens, context, caches):
         memory, source_padding_mask = context
         return self.decode(tokens, memory, source_padding_mask, caches, check_ids=False)
+
+
+__all__ = [
+    "EncoderDecoderModel",
+    "EncoderOnlyModel",
+    "GPT",
+    "TransformerDecoder",
+    "mean_pool",
+]

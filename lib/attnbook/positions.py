@@ -345,3 +345,18 @@ def sinusoidal_shift_matrix(k: int, d: int, base: float = 10000.0) -> torch.Tens
             [[c, s], [-s, c]], dtype=torch.float64
         )
     return M.float()
+
+
+__all__ = [
+    "LearnedPositions",
+    "SinusoidalPositions",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rope",
+    "interpolate_grid",
+    "rope_angles",
+    "sinusoidal_encoding",
+    "sinusoidal_shift_matrix",
+    "yarn_attention_factor",
+    "yarn_ramp",
+]

@@ -358,3 +358,15 @@ def train_classifier(
         desc=desc,
         show_progress=show_progress,
     )
+
+
+__all__ = [
+    "History",
+    "accuracy",
+    "count_parameters",
+    "lr_at",
+    "make_optimizer",
+    "to_device",
+    "train",
+    "train_classifier",
+]

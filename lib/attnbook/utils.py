@@ -248,3 +248,20 @@ def copy_weights(
         for name, parameter in parameters.items():
             parameter.copy_(tensors[name])  # casts to the parameter's dtype and device
     return model
+
+
+__all__ = [
+    "check_non_negative_int",
+    "check_positive_int",
+    "check_token_ids",
+    "copy_weights",
+    "device",
+    "eval_mode",
+    "generator",
+    "on_gpu",
+    "package_file",
+    "progress",
+    "seed_everything",
+    "seed_offset",
+    "show_source",
+]

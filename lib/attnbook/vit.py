@@ -404,3 +404,15 @@ class SmallResNet(nn.Module):
         _check_images(images, self.in_channels)
         x = self.stages(self.stem(images))  # (B, C_last, H', W')
         return self.head(x.mean(dim=(2, 3)))  # (B, num_classes)
+
+
+__all__ = [
+    "PatchEmbedding",
+    "ResidualBlock",
+    "SmallResNet",
+    "ViT",
+    "mean_attention_distance",
+    "patch_grid",
+    "patchify",
+    "resize_position_table",
+]

@@ -1133,3 +1133,22 @@ def load_whisper_tiny_en(
             WHISPER_TINY_EN_ALIGNMENT_HEADS, num_decoder_layers, num_heads
         ),
     )
+
+
+__all__ = [
+    "AudioEncoder",
+    "Transcriber",
+    "Whisper",
+    "decode_alignment_heads",
+    "dtw",
+    "group_words",
+    "is_punctuation",
+    "load_whisper_tiny_en",
+    "load_whisper_weights",
+    "median_filter",
+    "read_ctranslate2",
+    "whisper_dir",
+    "whisper_key_bias_slices",
+    "whisper_sinusoids",
+    "whisper_weight_names",
+]
