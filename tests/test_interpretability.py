@@ -197,7 +197,7 @@ def test_model_shapes_and_causal_weights():
 def test_model_matches_pytorch_attention_layers():
     model = small_model()
     references = []
-    for layer in model.layers:
+    for layer in model.blocks:
         reference = torch.nn.MultiheadAttention(16, 2, batch_first=True)
         with torch.no_grad():
             reference.in_proj_weight.copy_(
@@ -220,7 +220,7 @@ def test_model_matches_pytorch_attention_layers():
                     h, h, h, attn_mask=attnbook.causal_mask(11), need_weights=False
                 )[0]
             )
-        torch.testing.assert_close(model(x), model.unembed(h), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(x), model.lm_head(h), atol=1e-5, rtol=1e-5)
 
 
 def test_one_layer_logits_do_not_see_the_future():
@@ -261,16 +261,16 @@ def test_zero_ablation_equals_zeroing_the_heads_output_columns():
     x = torch.randint(13, (3, 12))
     edited = copy.deepcopy(model)
     with torch.no_grad():
-        edited.layers[0].out_proj.weight[:, 8:16] = 0  # head 1 of 2, head_dim 8
+        edited.blocks[0].out_proj.weight[:, 8:16] = 0  # head 1 of 2, head_dim 8
         expected = edited(x)
         before = model(x)
-        with ablate_heads(model.layers[0], [1]):
+        with ablate_heads(model.blocks[0], [1]):
             ablated = model(x)
         after = model(x)
     torch.testing.assert_close(ablated, expected)
     assert not torch.allclose(ablated, before)
     torch.testing.assert_close(after, before)  # the hook is gone
-    assert model.layers[0].out_proj.weight[:, 8:16].abs().sum() > 0  # weights untouched
+    assert model.blocks[0].out_proj.weight[:, 8:16].abs().sum() > 0  # weights untouched
 
 
 def test_mean_ablation_uses_the_heads_mean_output():
@@ -294,16 +294,16 @@ def test_ablation_leaves_the_attention_weights_alone():
     x = torch.randint(13, (2, 8))
     with torch.no_grad():
         _, weights = model(x, return_weights=True)
-        with ablate_heads(model.layers[1], [0, 1]):
+        with ablate_heads(model.blocks[1], [0, 1]):
             logits, ablated_weights = model(x, return_weights=True)
     torch.testing.assert_close(ablated_weights[1], weights[1])  # heads still attend
-    bias_only = model.layers[1].out_proj.bias
+    bias_only = model.blocks[1].out_proj.bias
     h = model.positions(model.token_embedding(x))
     with torch.no_grad():
         h = (
-            h + model.layers[0](h, h, h, is_causal=True)[0] + bias_only
+            h + model.blocks[0](h, h, h, is_causal=True)[0] + bias_only
         )  # layer 1 adds its bias
-        torch.testing.assert_close(logits, model.unembed(h))
+        torch.testing.assert_close(logits, model.lm_head(h))
 
 
 def test_ablation_hook_is_removed_after_an_error():
@@ -312,10 +312,10 @@ def test_ablation_hook_is_removed_after_an_error():
     with torch.no_grad():
         before = model(x)
         with pytest.raises(RuntimeError, match="inside"):
-            with ablate_heads(model.layers[0], [0, 1]):
+            with ablate_heads(model.blocks[0], [0, 1]):
                 raise RuntimeError("inside")
         torch.testing.assert_close(model(x), before)
-    assert not model.layers[0].out_proj._forward_pre_hooks
+    assert not model.blocks[0].out_proj._forward_pre_hooks
 
 
 def test_nested_and_empty_ablations():
@@ -323,14 +323,14 @@ def test_nested_and_empty_ablations():
     x = torch.randint(13, (2, 8))
     with torch.no_grad():
         before = model(x)
-        with ablate_heads(model.layers[0], []):
+        with ablate_heads(model.blocks[0], []):
             torch.testing.assert_close(model(x), before)
         with (
-            ablate_heads(model.layers[0], [0]),
-            ablate_heads(model.layers[0], [np.int64(1)]),
+            ablate_heads(model.blocks[0], [0]),
+            ablate_heads(model.blocks[0], [np.int64(1)]),
         ):
             both = model(x)
-        with ablate_heads(model.layers[0], (0, 1)):
+        with ablate_heads(model.blocks[0], (0, 1)):
             torch.testing.assert_close(model(x), both)
 
 
@@ -341,22 +341,22 @@ def test_ablation_rejects_a_head_out_of_range(heads):
         0
     ]
     with pytest.raises(ValueError, match=f"head index {bad} out of range.*num_heads=2"):
-        with ablate_heads(model.layers[0], heads):
+        with ablate_heads(model.blocks[0], heads):
             pass
-    assert not model.layers[0].out_proj._forward_pre_hooks
+    assert not model.blocks[0].out_proj._forward_pre_hooks
 
 
 @pytest.mark.parametrize("heads", [[True], [0.0], [None]])
 def test_ablation_rejects_heads_that_are_not_ints(heads):
     with pytest.raises(ValueError, match="head index"):
-        with ablate_heads(small_model().layers[0], heads):
+        with ablate_heads(small_model().blocks[0], heads):
             pass
 
 
 @pytest.mark.parametrize("heads", ["0", None, 1.0])
 def test_ablation_rejects_heads_that_are_not_a_list(heads):
     with pytest.raises(TypeError, match="heads must be"):
-        with ablate_heads(small_model().layers[0], heads):
+        with ablate_heads(small_model().blocks[0], heads):
             pass
 
 
@@ -365,5 +365,5 @@ def test_ablation_rejects_a_module_without_heads_and_a_bad_mode():
         with ablate_heads(torch.nn.Linear(4, 4), [0]):
             pass
     with pytest.raises(ValueError, match="mode.*'half'"):
-        with ablate_heads(small_model().layers[0], [0], mode="half"):
+        with ablate_heads(small_model().blocks[0], [0], mode="half"):
             pass

@@ -136,7 +136,8 @@ class AttentionOnlyTransformer(nn.Module):
     ``x = x + Attention(x)`` with causal multi-head attention; an unembedding.
     ``forward(tokens (B, T)) -> logits (B, T, vocab_size)``; with
     ``return_weights=True`` -> ``(logits, [weights (B, h, T, T) of each layer])``.
-    ``self.layers[i]`` is layer ``i``'s :class:`~attnbook.multihead.MultiHeadAttention`.
+    ``self.blocks[i]`` is layer ``i``'s :class:`~attnbook.multihead.MultiHeadAttention`
+    and ``self.lm_head`` the unembedding (the names of the other models).
     """
 
     def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len):
@@ -151,18 +152,18 @@ class AttentionOnlyTransformer(nn.Module):
         nn.init.normal_(self.token_embedding.weight, std=0.3)
         self.positions = LearnedPositions(max_len, d_model)  # rows of std 0.02
         layers = [MultiHeadAttention(d_model, num_heads) for _ in range(num_layers)]
-        self.layers = nn.ModuleList(layers)
-        self.unembed = nn.Linear(d_model, vocab_size, bias=False)
+        self.blocks = nn.ModuleList(layers)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, *, return_weights: bool = False):
         check_token_ids(tokens, self.vocab_size, self.max_len, name="tokens")
         x = self.positions(self.token_embedding(tokens))  # (B, T, d): residual stream
         weights = []
-        for attention in self.layers:
+        for attention in self.blocks:
             out, w = attention(x, x, x, need_weights=return_weights, is_causal=True)
             x = x + out  # (B, T, d): each layer adds what its heads read
             weights.append(w)  # (B, h, T, T), or None without return_weights
-        logits = self.unembed(x)  # (B, T, vocab)
+        logits = self.lm_head(x)  # (B, T, vocab): the unembedding
         return (logits, weights) if return_weights else logits
 
 
