@@ -140,8 +140,8 @@ def test_every_module_lists_its_public_names_sorted():
     import inspect
     import pkgutil
 
-    for info in pkgutil.iter_modules(attnbook.__path__):
-        module = importlib.import_module(f"attnbook.{info.name}")
+    for info in pkgutil.walk_packages(attnbook.__path__, "attnbook."):  # whisper's modules too
+        module = importlib.import_module(info.name)
         defined = {name for name, obj in vars(module).items()
                    if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
                    and obj.__module__ == module.__name__}

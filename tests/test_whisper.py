@@ -368,7 +368,7 @@ def test_weight_map_covers_our_model_and_the_checkpoint(checkpoint):
     names = whisper.whisper_weight_names(4, 4)
     assert set(names) == {name for name, _ in model.named_parameters()}
     used = {theirs for theirs, _, _ in names.values()}
-    assert set(variables) - used == set(whisper._WHISPER_SETTINGS) | {"encoder/position_encodings/encodings"}
+    assert set(variables) - used == set(whisper.weights._WHISPER_SETTINGS) | {"encoder/position_encodings/encodings"}
 
 
 def test_loader_rejects_a_checkpoint_that_does_not_fit(checkpoint):

@@ -1,0 +1,320 @@
+"""Audio in, text out: the :class:`Transcriber` (log-mel of a 30 s window, greedy or
+beam decoding, the BPE tokenizer, scores of a transcript, word timestamps)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..audio import (
+    CHUNK_SECONDS,
+    HOP_LENGTH,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    _check_audio,
+    _check_sample_rate,
+    log_mel_spectrogram,
+    pad_or_trim,
+)
+from ..generation import beam_search, generate  # the decoding loops
+from ..utils import check_positive_int, eval_mode
+from .model import Whisper
+from .timing import dtw, group_words, is_punctuation, median_filter
+
+# 0.02 s: one encoder position, two mel frames
+SECONDS_PER_POSITION = 2 * HOP_LENGTH / SAMPLE_RATE
+
+
+class Transcriber:
+    """Audio in, text out: Whisper's log-mel of a 30 s window, greedy decoding or beam
+    search, the BPE tokenizer, and the time of each word.
+
+    ``transcribe(audio (N,) at 16 kHz, up to 30 s, *, beam_size=1) -> str``. The prompt
+    is ``[start_token, *task_tokens]`` (for ``tiny.en``: ``<|startoftranscript|>
+    <|notimestamps|>``); ``suppress`` lists token ids never to produce (special and
+    timestamp tokens, and the checkpoint's list of suppressed symbols).
+    ``alignment_heads`` lists the ``(layer, head)`` pairs of cross-attention that
+    :meth:`word_timestamps` reads; ``None`` takes every head of the last half of the
+    decoder's layers, as Whisper does for a model without published alignment heads.
+    """
+
+    def __init__(
+        self,
+        model: Whisper,
+        tokenizer,
+        *,
+        start_token: int,
+        end_token: int,
+        task_tokens=(),
+        suppress=(),
+        suppress_at_start=(),
+        max_new_tokens: int = 224,
+        alignment_heads=None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.start_token, self.end_token = start_token, end_token
+        self.prompt = [start_token, *task_tokens]
+        self.suppress, self.suppress_at_start = list(suppress), list(suppress_at_start)
+        self.max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+        num_layers, num_heads = len(model.decoder.blocks), model.decoder.num_heads
+        if alignment_heads is None:
+            alignment_heads = [
+                (layer, head)
+                for layer in range(num_layers // 2, num_layers)
+                for head in range(num_heads)
+            ]
+        self.alignment_heads = [
+            (int(layer), int(head)) for layer, head in alignment_heads
+        ]
+        bad = [
+            pair
+            for pair in self.alignment_heads
+            if not (0 <= pair[0] < num_layers and 0 <= pair[1] < num_heads)
+        ]
+        if bad or not self.alignment_heads:
+            raise ValueError(
+                f"alignment_heads must be (layer < {num_layers}, head < {num_heads}) "
+                "pairs, "
+                f"at least one; got {alignment_heads!r}"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def log_mel(
+        self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE
+    ) -> torch.Tensor:
+        """``audio (N,)`` -> the model's input ``(n_mels, 3000)``: padded (or cut) to 30
+        s first."""
+        audio = _check_audio(audio)
+        _check_sample_rate(sample_rate)
+        if audio.numel() > N_SAMPLES:
+            raise ValueError(
+                f"audio holds {audio.numel()} samples "
+                f"({audio.numel() / SAMPLE_RATE:.1f} s); "
+                f"this transcriber reads at most {CHUNK_SECONDS} s "
+                f"({N_SAMPLES} samples)"
+            )
+        return log_mel_spectrogram(
+            pad_or_trim(audio.to(self.device)), n_mels=self.model.encoder.n_mels
+        )
+
+    def transcribe_tokens(
+        self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE, *, beam_size: int = 1
+    ) -> list[int]:
+        """The transcript's token ids (after the prompt, without the end token): greedy
+        with ``beam_size=1`` (:func:`attnbook.generate`, with the KV cache), else
+        :func:`attnbook.beam_search` ranking hypotheses by their total log-probability
+        (``length_penalty=0``; Whisper's own decoder divides by the length)."""
+        beam_size = check_positive_int("beam_size", beam_size)
+        # (1, n_mels, 3000) float32; the model casts it
+        mel = self.log_mel(audio, sample_rate)[None]
+        max_new_tokens = min(self.max_new_tokens, self.model.max_len - len(self.prompt))
+        if beam_size > 1:
+            tokens, _ = beam_search(
+                self.model,
+                self.prompt,
+                max_new_tokens,
+                beam_size=beam_size,
+                length_penalty=0.0,
+                mel=mel,
+                end_token=self.end_token,
+                suppress=self.suppress,
+                suppress_at_start=self.suppress_at_start,
+            )
+            new = tokens[len(self.prompt) :]
+            return new[:-1] if new and new[-1] == self.end_token else new
+        prompt = torch.tensor([self.prompt], device=self.device)  # (1, T0)
+        tokens = generate(  # (1, T0 + new)
+            self.model,
+            prompt,
+            max_new_tokens,
+            mel=mel,
+            end_token=self.end_token,
+            suppress=self.suppress,
+            suppress_at_start=self.suppress_at_start,
+        )
+        new = tokens[0, len(self.prompt) :].tolist()
+        return new[: new.index(self.end_token)] if self.end_token in new else new
+
+    def transcribe(
+        self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE, *, beam_size: int = 1
+    ) -> str:
+        """The transcript of ``audio (N,)`` (16 kHz, at most 30 s), stripped of
+        surrounding spaces."""
+        return self.tokenizer.decode(
+            self.transcribe_tokens(audio, sample_rate, beam_size=beam_size)
+        ).strip()
+
+    def _sequence(self, tokens) -> torch.Tensor:
+        """``prompt + tokens + [end_token]`` as a ``(1, T)`` tensor, after checking
+        ``tokens``."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        tokens = [int(t) for t in tokens]
+        bad = [
+            t
+            for t in tokens
+            if not 0 <= t < self.model.vocab_size or t == self.end_token
+        ]
+        if bad:
+            raise ValueError(
+                f"tokens must be transcript ids in [0, {self.model.vocab_size}) "
+                "without the end token "
+                f"{self.end_token}, got {bad}"
+            )
+        if len(self.prompt) + len(tokens) + 1 > self.model.max_len:
+            raise ValueError(
+                f"{len(tokens)} tokens do not fit the decoder's {self.model.max_len} "
+                "positions"
+            )
+        return torch.tensor(
+            [self.prompt + tokens + [self.end_token]], device=self.device
+        )
+
+    def sequence_log_probability(
+        self, audio: torch.Tensor, tokens, sample_rate: int = SAMPLE_RATE
+    ) -> float:
+        """The total log-probability of the transcript ``tokens`` followed by the end
+        token, given the audio: one forward pass without a cache, and the same
+        suppression as decoding (suppressed tokens' logits set to ``-inf`` before the
+        log-softmax). Greedy and beam hypotheses are scored by this one function
+        (:meth:`sequence_log_probabilities` scores several with one encoder pass)."""
+        return self.sequence_log_probabilities(audio, [tokens], sample_rate)[0]
+
+    def sequence_log_probabilities(
+        self, audio: torch.Tensor, transcripts, sample_rate: int = SAMPLE_RATE
+    ) -> list[float]:
+        """:meth:`sequence_log_probability` of each transcript (a list of token ids) in
+        ``transcripts``; the encoder reads the audio once."""
+        if isinstance(transcripts, torch.Tensor) or not all(
+            isinstance(t, (list, tuple, torch.Tensor)) for t in transcripts
+        ):
+            raise TypeError(
+                "transcripts must be a list of transcripts, each a list of token ids"
+            )
+        # each (1, T0 + n + 1)
+        sequences = [self._sequence(tokens) for tokens in transcripts]
+        mel = self.log_mel(audio, sample_rate)[None]  # (1, n_mels, 3000)
+        scores = []
+        with eval_mode(self.model):
+            memory = self.model.encoder(mel)  # (1, S, d), once
+            for sequence in sequences:
+                # (n+1, V)
+                logits = self.model.decoder(sequence[:, :-1], memory)[
+                    0, len(self.prompt) - 1 :
+                ].float()
+                if self.suppress:
+                    logits[:, self.suppress] = float("-inf")
+                if self.suppress_at_start:
+                    logits[0, self.suppress_at_start] = float("-inf")
+                # (n + 1,) the transcript and the end token
+                targets = sequence[0, len(self.prompt) :]
+                scores.append(
+                    float(
+                        torch.log_softmax(logits, dim=-1)
+                        .gather(1, targets[:, None])
+                        .sum()
+                    )
+                )
+        return scores
+
+    def alignment_matrix(
+        self,
+        audio: torch.Tensor,
+        tokens,
+        sample_rate: int = SAMPLE_RATE,
+        *,
+        median_width: int = 7,
+    ) -> torch.Tensor:
+        """How strongly each token sits on each 20 ms of the audio: ``(len(tokens) + 1,
+        positions)``.
+
+        As Whisper's ``find_alignment``: the cross-attention weights of the alignment
+        heads for ``prompt + tokens + [end]``, cut to the ``N // 320`` encoder positions
+        that hold the audio and renormalised (a softmax over the audio alone); each head
+        standardised per audio position over the token axis (Whisper's
+        ``std_mean(weights, dim=-2)``), median-filtered along time, averaged over the
+        heads. Row ``k`` is the query that *predicts* token ``k`` (the last row predicts
+        the end).
+        """
+        audio = _check_audio(audio)
+        # encoder positions that hold the audio
+        positions = audio.numel() // (2 * HOP_LENGTH)
+        if positions < 1:
+            raise ValueError(
+                f"audio of {audio.numel()} samples is shorter than one encoder "
+                "position "
+                f"({2 * HOP_LENGTH} samples, 20 ms)"
+            )
+        sequence = self._sequence(tokens)  # (1, T)
+        mel = self.log_mel(audio, sample_rate)[None]  # (1, n_mels, 3000)
+        # (layers, h, T, 1500)
+        weights = self.model.cross_attention_weights(mel, sequence)[:, 0].float()
+        # (H, T, 1500)
+        heads = torch.stack(
+            [weights[layer, head] for layer, head in self.alignment_heads]
+        )
+        heads = heads[..., :positions]  # (H, T, positions)
+        # = softmax of the scores over the audio
+        heads = heads / heads.sum(-1, keepdim=True).clamp_min(1e-30)
+        # (H, 1, positions)
+        std, mean = torch.std_mean(heads, dim=-2, keepdim=True, unbiased=False)
+        heads = (heads - mean) / std.clamp_min(1e-12)
+        heads = median_filter(heads, median_width)  # (H, T, positions), along time
+        return heads.mean(0)[len(self.prompt) - 1 : -1].cpu()  # (n + 1, positions)
+
+    def word_timestamps(
+        self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE, *, tokens=None
+    ) -> list[tuple[str, float, float]]:
+        """Each word of the transcript with its start and end in seconds: ``[(word,
+        start, end), ...]``.
+
+        ``tokens`` defaults to the greedy transcript. :func:`dtw` finds the cheapest
+        monotonic path through ``-alignment_matrix`` (tokens down, 20 ms positions
+        across); token ``k`` starts at the first position where the path enters row
+        ``k`` and ends where row ``k + 1`` begins.
+        :func:`group_words` puts tokens together into words; punctuation stays with its
+        word but, as in Whisper (whose ``merge_punctuations`` keeps the word's own
+        times), does not count towards its start or end. Whisper's further heuristics
+        (clipping words longer than twice the median near sentence ends and pauses) are
+        left out.
+        """
+        audio = _check_audio(audio)
+        _check_sample_rate(sample_rate)
+        if tokens is None:
+            tokens = self.transcribe_tokens(audio, sample_rate)
+        tokens = (
+            tokens.tolist()
+            if isinstance(tokens, torch.Tensor)
+            else [int(t) for t in tokens]
+        )
+        if not tokens:
+            return []
+        matrix = self.alignment_matrix(audio, tokens, sample_rate)  # (n + 1, positions)
+        path = dtw(-matrix)  # (L, 2): (token row, position)
+        rows, columns = path[:, 0], path[:, 1]
+        # where the path enters a new row
+        enters = torch.ones_like(rows, dtype=torch.bool)
+        enters[1:] = rows[1:] != rows[:-1]
+        # (n + 1,) when each row begins
+        starts = columns[enters].double() * SECONDS_PER_POSITION
+        pieces = [self.tokenizer.decode([t]) for t in tokens]
+        timings = []
+        for word in group_words(pieces):
+            # the word without its punctuation
+            timed = [k for k in word if not is_punctuation(pieces[k])] or word
+            text = self.tokenizer.decode([tokens[k] for k in word]).strip()
+            timings.append(
+                (
+                    text,
+                    round(float(starts[timed[0]]), 2),
+                    round(float(starts[timed[-1] + 1]), 2),
+                )
+            )
+        return timings
+
+
+__all__ = [
+    "Transcriber",
+]
