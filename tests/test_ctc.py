@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from attnbook import ctc, data
+from attnbook import ctc, data, speech
 
 BF16 = torch.bfloat16
 
@@ -49,7 +49,7 @@ def test_ctc_loss_sums_over_every_alignment():
 
 def test_feature_encoder_ignores_padding_and_halves_lengths():
     torch.manual_seed(0)
-    encoder = ctc.FeatureEncoder(5, 16, 2, 2).eval()
+    encoder = speech.FeatureEncoder(5, 16, 2, 2).eval()
     x = torch.randn(1, 11, 5)
     padded = torch.cat([x, torch.randn(1, 6, 5)], dim=1)  # garbage after the real frames
     alone, _, length = encoder(x, torch.tensor([11]))
@@ -62,12 +62,12 @@ def test_feature_encoder_ignores_padding_and_halves_lengths():
     with pytest.raises(ValueError, match="lengths"):
         encoder(x, torch.tensor([12]))
     with pytest.raises(ValueError, match="stride"):
-        ctc.FeatureEncoder(5, 16, 2, 2, stride=3)
+        speech.FeatureEncoder(5, 16, 2, 2, stride=3)
 
 
 def test_ctc_model_loss_is_torch_ctc_loss_and_decodes_classes():
     torch.manual_seed(0)
-    model = ctc.CTCModel(5, num_classes=10, d_model=16, num_heads=2, num_layers=1).eval()
+    model = speech.CTCModel(5, num_classes=10, d_model=16, num_heads=2, num_layers=1).eval()
     features, lengths = torch.randn(2, 12, 5), torch.tensor([12, 9])
     targets, target_lengths = torch.tensor([[3, 0, 9], [4, -1, -1]]), torch.tensor([3, 1])
     log_probs, out_lengths = model(features, lengths)
@@ -304,7 +304,7 @@ def test_prefix_beam_search_rejects_bad_inputs():
 
 def test_seq2seq_loss_is_teacher_forced_cross_entropy():
     torch.manual_seed(0)
-    model = ctc.Seq2SeqSpeechModel(5, num_classes=10, d_model=16, num_heads=2, num_encoder_layers=1,
+    model = speech.Seq2SeqSpeechModel(5, num_classes=10, d_model=16, num_heads=2, num_encoder_layers=1,
                                    num_decoder_layers=1).eval()
     features, lengths = torch.randn(2, 12, 5), torch.tensor([12, 9])
     targets, target_lengths = torch.tensor([[3, 0, 9], [4, -1, -1]]), torch.tensor([3, 1])
@@ -317,7 +317,7 @@ def test_seq2seq_loss_is_teacher_forced_cross_entropy():
 
 def test_seq2seq_cached_decoding_equals_uncached_greedy():
     torch.manual_seed(2)
-    model = ctc.Seq2SeqSpeechModel(5, num_classes=10, d_model=16, num_heads=2, num_encoder_layers=1,
+    model = speech.Seq2SeqSpeechModel(5, num_classes=10, d_model=16, num_heads=2, num_encoder_layers=1,
                                    num_decoder_layers=2).eval()
     features, lengths = torch.randn(3, 12, 5), torch.tensor([12, 9, 4])
     decoded = model.decode(features, lengths, max_new_tokens=6)
@@ -340,13 +340,13 @@ def test_seq2seq_cached_decoding_equals_uncached_greedy():
 
 def small_seq2seq(seed=2, dropout=0.0, max_len=16):
     torch.manual_seed(seed)
-    return ctc.Seq2SeqSpeechModel(5, num_classes=10, d_model=16, num_heads=2, num_encoder_layers=1,
+    return speech.Seq2SeqSpeechModel(5, num_classes=10, d_model=16, num_heads=2, num_encoder_layers=1,
                                   num_decoder_layers=2, max_len=max_len, dropout=dropout).eval()
 
 
 def small_ctc(seed=0, dropout=0.0):
     torch.manual_seed(seed)
-    return ctc.CTCModel(5, num_classes=10, d_model=16, num_heads=2, num_layers=2, dropout=dropout).eval()
+    return speech.CTCModel(5, num_classes=10, d_model=16, num_heads=2, num_layers=2, dropout=dropout).eval()
 
 
 def speech_batch(batch=3, frames=12, seed=0):
@@ -374,7 +374,7 @@ def test_seq2seq_decode_validates_max_new_tokens():
 
 def test_ctc_model_docstring_says_what_forward_returns():
     # forward returns (log_probs, output lengths): the class docstring used to promise log_probs alone
-    assert "output lengths" in " ".join(ctc.CTCModel.__doc__.split())
+    assert "output lengths" in " ".join(speech.CTCModel.__doc__.split())
     log_probs, lengths = small_ctc()(*speech_batch()[:2])
     assert log_probs.shape == (3, 6, 11) and lengths.tolist() == [6, 5, 2]
 
@@ -395,7 +395,7 @@ BF16_ATOL = 0.15
 
 
 def outputs(model, features, lengths):
-    if isinstance(model, ctc.CTCModel):
+    if isinstance(model, speech.CTCModel):
         return model(features, lengths)[0]  # (B, T', C + 1) log-probabilities
     inputs = torch.tensor([[10, 3, 0, 9], [10, 4, 11, 0], [10, 7, 7, 11]])
     return model(features, lengths, inputs)  # (B, U, C + 2) logits
@@ -424,7 +424,7 @@ def test_forward_backward_and_decoding_in_bf16(build, mode):
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert len(decoded) == 3 and all(0 <= c < 10 for seq in decoded for c in seq)
-    if isinstance(model, ctc.CTCModel):  # CTC decodes each frame on its own: the best paths agree
+    if isinstance(model, speech.CTCModel):  # CTC decodes each frame on its own: the best paths agree
         assert decoded == expected_decoded
 
 

@@ -9,7 +9,19 @@ and metrics (chapter 10), flash (chapter 15: FlashAttention), interpretability (
 own as ``attnbook.distributed``) and bench (``python -m attnbook.bench``).
 """
 
-from . import audio, bert, cost, ctc, data, measure, metrics, train, vit, whisper
+from . import (
+    audio,
+    bert,
+    cost,
+    ctc,
+    data,
+    measure,
+    metrics,
+    speech,
+    train,
+    vit,
+    whisper,
+)
 from .attention import (
     AdditiveAttention,
     masked_softmax,
@@ -21,8 +33,6 @@ from .bert import BertEncoder, load_minilm
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
 from .caches import KVCache, RollingKVCache, make_caches
 from .ctc import (
-    CTCModel,
-    Seq2SeqSpeechModel,
     ctc_best_alignment,
     ctc_log_alpha,
     ctc_loss,
@@ -65,6 +75,7 @@ from .positions import (
     sinusoidal_encoding,
     yarn_attention_factor,
 )
+from .speech import CTCModel, Seq2SeqSpeechModel
 from .utils import (
     device,
     generator,
@@ -147,6 +158,7 @@ __all__ = [
     "show_source",
     "sinusoidal_encoding",
     "sliding_window_mask",
+    "speech",
     "speculative_generate",
     "split_heads",
     "train",

@@ -1,0 +1,330 @@
+"""Chapter 10's "CTC vs seq2seq": two ways to turn a sequence of speech frames into a
+label sequence whose alignment to the frames is unknown, on the same encoder (the CTC
+algorithm itself is in :mod:`attnbook.ctc`).
+
+- :class:`FeatureEncoder`: ``features (B, T, n_features)`` -> one vector per output
+  frame (a strided 1D convolution, sinusoidal positions, pre-norm encoder blocks with
+  the padding masked).
+- :class:`CTCModel`: the encoder and one classification per frame over the classes plus
+  a *blank*, trained with ``F.ctc_loss`` (PyTorch's fused version of
+  :func:`~attnbook.ctc.ctc_loss`) and read by :func:`~attnbook.ctc.ctc_greedy_decode`.
+- :class:`Seq2SeqSpeechModel`: the same encoder plus the library's
+  :class:`~attnbook.models.TransformerDecoder`, which writes ``<bos> y1 y2 ... <eos>``
+  one token at a time, reading the frames through cross-attention; trained with
+  teacher-forced cross-entropy, decoded by :func:`attnbook.generate` (it has the
+  decoding interface of :mod:`attnbook.models`).
+
+Both read the spoken-digit task of :func:`attnbook.data.make_digit_sequences` and are
+scored with :func:`attnbook.metrics.error_rate`. Decoding runs in eval mode without
+gradients and restores the caller's mode.
+
+Shapes: feature sequences ``(B, T, n_features)`` with ``lengths (B,)``; encoder output
+``(B, T', d)`` with ``T' = (T - 1) // stride + 1``; CTC log-probabilities ``(B, T',
+num_classes + 1)``; label tokens ``(B, U)``; seq2seq logits ``(B, U, num_classes + 2)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import EncoderBlock
+from .ctc import ctc_greedy_decode
+from .generation import generate
+from .masks import padding_mask
+from .models import TransformerDecoder
+from .positions import SinusoidalPositions
+from .utils import check_positive_int, eval_mode
+
+
+class FeatureEncoder(nn.Module):
+    """``features (B, T, n_features)`` -> ``(B, T', d)``: a 1D convolution over the
+    frames (kernel 3, GELU; with ``stride=2`` it halves the frame rate, as Whisper's
+    stem does), sinusoidal positions, pre-norm encoder blocks (padding masked) and a
+    final LayerNorm. One vector per output frame. The features are cast to the weights'
+    dtype first (they are float32; the model may be bf16).
+    """
+
+    def __init__(
+        self,
+        n_features: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        stride: int = 2,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if stride not in (1, 2):
+            raise ValueError(f"stride must be 1 or 2, got {stride!r}")
+        self.n_features = check_positive_int("n_features", n_features)
+        num_layers = check_positive_int("num_layers", num_layers)
+        self.stride = stride
+        self.conv = nn.Conv1d(
+            n_features, d_model, kernel_size=3, stride=stride, padding=1
+        )
+        self.positions = SinusoidalPositions(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(
+                d_model, num_heads, 4 * d_model, dropout, activation="gelu", norm="pre"
+            )
+            for _ in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(d_model)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """How many output frames ``lengths`` input frames give: ``(L - 1) // stride +
+        1``."""
+        return torch.div(lengths - 1, self.stride, rounding_mode="floor") + 1
+
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor):
+        """Returns ``(hidden (B, T', d), key_padding_mask (B, T'), output lengths
+        (B,))``."""
+        if not isinstance(features, torch.Tensor) or not features.is_floating_point():
+            raise TypeError(
+                f"features must be a float tensor (B, T, n_features), "
+                f"got {getattr(features, 'dtype', type(features))}"
+            )
+        if features.dim() != 3 or features.shape[-1] != self.n_features:
+            raise ValueError(
+                f"features must be (B, T, n_features={self.n_features}), got "
+                f"{tuple(features.shape)}"
+            )
+        if (
+            not isinstance(lengths, torch.Tensor)
+            or lengths.shape != features.shape[:1]
+            or int(lengths.min()) < 1
+            or int(lengths.max()) > features.shape[1]
+        ):
+            got = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+            raise ValueError(
+                f"lengths must be (B={features.shape[0]},) in [1, "
+                f"{features.shape[1]}], got {got}"
+            )
+        features = features.to(self.conv.weight.dtype)  # (B, T, F) in the model's dtype
+        # (B, T): True on real frames
+        keep = ~padding_mask(lengths, features.shape[1]).to(features.device)
+        # (B, T', d)
+        x = F.gelu(self.conv((features * keep[..., None]).transpose(1, 2))).transpose(
+            1, 2
+        )
+        lengths = self.output_lengths(lengths)  # (B,)
+        # (B, T')
+        key_padding_mask = padding_mask(lengths, x.shape[1]).to(features.device)
+        x = self.dropout(self.positions(x))  # (B, T', d)
+        for block in self.blocks:
+            x = block(x, key_padding_mask=key_padding_mask)  # (B, T', d)
+        return self.norm(x), key_padding_mask, lengths
+
+
+class CTCModel(nn.Module):
+    """A :class:`FeatureEncoder` and one classification per output frame over
+    ``num_classes + 1`` outputs (0 is the CTC blank, class ``c`` is output ``c + 1``),
+    trained with ``F.ctc_loss`` to sum over every alignment.
+
+    ``forward(features (B, T, F), lengths (B,))`` returns ``(log_probs (B, T',
+    num_classes + 1), output lengths (B,))``: float32 log-probabilities (whatever the
+    model's dtype: the CTC loss sums them over every frame) and how many of the ``T'``
+    frames are real in each sequence.
+    """
+
+    def __init__(
+        self,
+        n_features: int,
+        num_classes: int,
+        d_model: int = 64,
+        num_heads: int = 4,
+        num_layers: int = 2,
+        *,
+        stride: int = 2,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        self.encoder = FeatureEncoder(
+            n_features, d_model, num_heads, num_layers, stride=stride, dropout=dropout
+        )
+        self.head = nn.Linear(d_model, num_classes + 1)
+
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor):
+        hidden, _, lengths = self.encoder(features, lengths)  # (B, T', d), (B,)
+        # (B, T', C + 1) float32, (B,)
+        return self.head(hidden).float().log_softmax(dim=-1), lengths
+
+    def loss(self, features, lengths, targets, target_lengths) -> torch.Tensor:
+        """CTC loss (mean over the batch of the per-sequence loss divided by its target
+        length)."""
+        log_probs, lengths = self(features, lengths)  # (B, T', C + 1)
+        # (B, U): classes shifted past the blank; padding is ignored
+        labels = (targets + 1).clamp_min(0)
+        return F.ctc_loss(
+            log_probs.transpose(0, 1),
+            labels,
+            lengths,
+            target_lengths,
+            blank=0,
+            zero_infinity=True,
+        )
+
+    def decode(self, features, lengths) -> list[list[int]]:
+        """Greedy CTC decoding; class ids ``0 .. num_classes - 1`` per sequence. Runs in
+        eval mode without gradients (the caller's mode is restored)."""
+        with eval_mode(self):
+            log_probs, lengths = self(features, lengths)  # (B, T', C + 1), (B,)
+        return [
+            [c - 1 for c in path]
+            for path in ctc_greedy_decode(log_probs, lengths, blank=0)
+        ]
+
+
+class Seq2SeqSpeechModel(nn.Module):
+    """The same encoder, plus a :class:`~attnbook.models.TransformerDecoder` that writes
+    the label sequence one token at a time, reading the frames through cross-attention:
+    ``<bos> y1 y2 ... <eos>`` (``bos = num_classes``, ``eos = num_classes + 1``).
+
+    ``forward(features (B, T, F), lengths (B,), tokens (B, U)) -> logits (B, U,
+    num_classes + 2)``;
+    :meth:`decode` writes the labels with :func:`attnbook.generate` (the decoding
+    interface: ``features=, lengths=`` are its inputs).
+    """
+
+    def __init__(
+        self,
+        n_features: int,
+        num_classes: int,
+        d_model: int = 64,
+        num_heads: int = 4,
+        num_encoder_layers: int = 2,
+        num_decoder_layers: int = 1,
+        max_len: int = 16,
+        *,
+        stride: int = 2,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.num_classes = check_positive_int("num_classes", num_classes)
+        self.max_len, self.num_heads = check_positive_int("max_len", max_len), num_heads
+        self.vocab_size = num_classes + 2  # the classes, <bos> and <eos>
+        self.bos, self.eos = num_classes, num_classes + 1
+        self.encoder = FeatureEncoder(
+            n_features,
+            d_model,
+            num_heads,
+            num_encoder_layers,
+            stride=stride,
+            dropout=dropout,
+        )
+        self.decoder = TransformerDecoder(
+            num_classes + 2,
+            d_model,
+            num_heads,
+            num_decoder_layers,
+            max_len,
+            hidden=4 * d_model,
+            dropout=dropout,
+            positions="learned",
+            head_bias=True,
+        )
+
+    def forward(self, features, lengths, tokens) -> torch.Tensor:
+        # (B, T', d), (B, T')
+        memory, key_padding_mask, _ = self.encoder(features, lengths)
+        return self.decoder(tokens, memory, key_padding_mask)  # (B, U, C + 2)
+
+    def loss(self, features, lengths, targets, target_lengths) -> torch.Tensor:
+        """Teacher-forced cross-entropy of ``y1 .. yU <eos>`` given ``<bos> y1 ..
+        yU``."""
+        B, U = targets.shape
+        positions = torch.arange(U + 1, device=targets.device)[None, :]  # (1, U + 1)
+        # (B, U + 1)
+        outputs = torch.cat([targets, targets.new_full((B, 1), -1)], dim=1)
+        # <eos> after the labels
+        outputs = torch.where(positions == target_lengths[:, None], self.eos, outputs)
+        # ignored padding
+        outputs = torch.where(positions > target_lengths[:, None], -100, outputs)
+        # (B, U + 1)
+        inputs = torch.cat(
+            [targets.new_full((B, 1), self.bos), outputs[:, :-1].clamp_min(0)], dim=1
+        )
+        logits = self(features, lengths, inputs)  # (B, U + 1, C + 2)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), outputs.flatten(), ignore_index=-100
+        )
+
+    # the decoding interface of attnbook.models, driven by attnbook.generate
+    def decoding_context(self, batch_size: int, features=None, lengths=None):
+        """``(memory (B, T', d), key_padding_mask (B, T'))`` for ``features (B, T, F)``,
+        ``lengths (B,)``, moved to the model's device."""
+        if features is None or lengths is None:
+            raise ValueError(
+                "Seq2SeqSpeechModel generates from speech: pass features=(B, T, F) and "
+                "lengths=(B,)"
+            )
+        device = next(self.parameters()).device
+        features, lengths = (
+            torch.as_tensor(features).to(device),
+            torch.as_tensor(lengths).to(device),
+        )
+        if features.shape[0] != batch_size:
+            raise ValueError(
+                f"features have batch size {features.shape[0]} but the prompt has "
+                f"{batch_size}"
+            )
+        # (B, T', d), (B, T')
+        memory, key_padding_mask, _ = self.encoder(features, lengths)
+        return memory, key_padding_mask
+
+    def decoding_caches(self, batch_size: int, context):
+        return self.decoder.make_caches(batch_size, context[0].shape[1])
+
+    def decode_step(self, tokens, context, caches) -> torch.Tensor:
+        memory, key_padding_mask = context
+        # (B, U, C + 2)
+        return self.decoder(tokens, memory, key_padding_mask, caches, check_ids=False)
+
+    def decode(
+        self, features, lengths, max_new_tokens: int | None = None
+    ) -> list[list[int]]:
+        """Greedy decoding with the KV cache until ``<eos>`` (or ``max_new_tokens``, at
+        most and by default ``max_len - 1``); class ids per sequence. Runs in eval mode
+        without gradients (the caller's mode is restored)."""
+        limit = self.max_len - 1  # the prompt <bos> takes one position
+        max_new_tokens = (
+            limit
+            if max_new_tokens is None
+            else check_positive_int("max_new_tokens", max_new_tokens)
+        )
+        if max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens must be at most max_len - 1 = {limit}, got "
+                f"{max_new_tokens}"
+            )
+        device = next(self.parameters()).device
+        # (B, 1)
+        prompt = torch.full(
+            (len(features), 1), self.bos, dtype=torch.long, device=device
+        )
+        with eval_mode(self):
+            tokens = generate(
+                self,
+                prompt,
+                max_new_tokens,
+                end_token=self.eos,
+                suppress=[self.bos],
+                features=features,
+                lengths=lengths,
+            )  # (B, 1 + new)
+        sequences = tokens[:, 1:].cpu().tolist()
+        return [
+            seq[: seq.index(self.eos)] if self.eos in seq else seq for seq in sequences
+        ]
+
+
+__all__ = [
+    "CTCModel",
+    "FeatureEncoder",
+    "Seq2SeqSpeechModel",
+]
