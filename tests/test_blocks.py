@@ -455,3 +455,22 @@ def test_loading_a_layer_of_other_sizes_names_them(reference, message):
     decoder_layer = nn.TransformerDecoderLayer(**reference, dropout=0.0, batch_first=True)
     with pytest.raises(ValueError, match=message):
         DecoderBlock(32, 4, 64).load_from_torch(decoder_layer)
+
+
+def test_one_builder_makes_every_stack_of_blocks():
+    from attnbook.blocks import DecoderOnlyBlock, stack_blocks
+
+    stack = stack_blocks(3, 32, 4, 64, 0.1, activation="gelu", norm="pre")
+    assert len(stack) == 3 and all(type(b) is EncoderBlock for b in stack)
+    assert stack[0].norm_position == "pre" and stack[0].activation_name == "gelu"
+    assert stack[0] is not stack[1]  # three blocks, not one shared
+    assert all(type(b) is DecoderOnlyBlock for b in stack_blocks(2, 32, 4, block=DecoderOnlyBlock))
+    with pytest.raises(ValueError, match="num_layers must be a positive int, got 0"):
+        stack_blocks(0, 32, 4)
+    # every model of the library builds its stack with it: the same blocks, the same names
+    import attnbook
+
+    gpt = attnbook.GPT(11, 32, 4, 2, 16)
+    vit = attnbook.ViT(28, 7, 10, 32, 4, 2)
+    for model in (gpt, vit):
+        assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == 2

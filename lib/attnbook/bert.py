@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .blocks import EncoderBlock
+from .blocks import stack_blocks
 from .models import mean_pool
 from .utils import check_token_ids, copy_weights, eval_mode, package_file
 
@@ -87,16 +87,14 @@ class BertEncoder(nn.Module):
         # sentence A / B
         self.token_type_embeddings = nn.Embedding(type_vocab_size, d_model)
         self.embedding_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.blocks = nn.ModuleList(
-            EncoderBlock(
-                d_model,
-                num_heads,
-                hidden,
-                activation="gelu",
-                norm="post",
-                layer_norm_eps=layer_norm_eps,
-            )
-            for _ in range(num_layers)
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            hidden,
+            activation="gelu",
+            norm="post",
+            layer_norm_eps=layer_norm_eps,
         )
         self.pooler = nn.Linear(d_model, d_model)
 

@@ -326,9 +326,31 @@ def _copy_feed_forward(ours: FeedForward, reference: nn.Module) -> None:
     ours.fc2.load_state_dict(reference.linear2.state_dict())
 
 
+def stack_blocks(
+    num_layers,
+    d_model,
+    num_heads,
+    hidden=None,
+    dropout=0.0,
+    *,
+    block=EncoderBlock,
+    **options,
+) -> nn.ModuleList:
+    """``num_layers`` blocks of one kind (:class:`EncoderBlock` unless ``block`` names
+    another), each ``block(d_model, num_heads, hidden, dropout, **options)``: the one
+    builder of every stack of blocks in the library (the three families, BERT, the ViT,
+    Whisper's and chapter 10's speech encoders). ``options`` are the blocks' keywords
+    (``activation``, ``norm``, ``layer_norm_eps``, ``attention_class``)."""
+    num_layers = check_positive_int("num_layers", num_layers)
+    return nn.ModuleList(
+        block(d_model, num_heads, hidden, dropout, **options) for _ in range(num_layers)
+    )
+
+
 __all__ = [
     "DecoderBlock",
     "DecoderOnlyBlock",
     "EncoderBlock",
     "FeedForward",
+    "stack_blocks",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock
+from .blocks import DecoderBlock, DecoderOnlyBlock, stack_blocks
 from .caches import make_caches
 from .masks import sliding_window_mask
 from .multihead import MultiHeadAttention, RotaryMultiHeadAttention
@@ -53,31 +53,6 @@ def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     # as GPT-2: the same scale as the learned positions
     nn.init.normal_(embedding.weight, std=0.02)
     return embedding
-
-
-def _encoder_stack(
-    num_layers,
-    d_model,
-    num_heads,
-    hidden,
-    dropout,
-    activation,
-    norm,
-    block=EncoderBlock,
-    attention_class=MultiHeadAttention,
-):
-    return nn.ModuleList(
-        block(
-            d_model,
-            num_heads,
-            hidden,
-            dropout,
-            activation=activation,
-            norm=norm,
-            attention_class=attention_class,
-        )
-        for _ in range(num_layers)
-    )
 
 
 def _final_norm(norm: str, d_model: int) -> nn.Module:
@@ -179,15 +154,15 @@ class GPT(nn.Module):
         attention_class = (
             RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
         )
-        self.blocks = _encoder_stack(
+        self.blocks = stack_blocks(
             num_layers,
             d_model,
             num_heads,
             hidden,
             dropout,
-            activation,
-            norm,
             block=DecoderOnlyBlock,
+            activation=activation,
+            norm=norm,
             attention_class=attention_class,
         )
         self.final_norm = _final_norm(norm, d_model)
@@ -339,8 +314,14 @@ class EncoderOnlyModel(nn.Module):
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = _encoder_stack(
-            num_layers, d_model, num_heads, hidden, dropout, activation, norm
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            hidden,
+            dropout,
+            activation=activation,
+            norm=norm,
         )
         self.final_norm = _final_norm(norm, d_model)
         self.mlm_head = nn.Linear(d_model, vocab_size)
@@ -420,11 +401,15 @@ class TransformerDecoder(nn.Module):
             else SinusoidalPositions(d_model, max_len)
         )
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            DecoderBlock(
-                d_model, num_heads, hidden, dropout, activation=activation, norm=norm
-            )
-            for _ in range(num_layers)
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            hidden,
+            dropout,
+            block=DecoderBlock,
+            activation=activation,
+            norm=norm,
         )
         self.norm = _final_norm(norm, d_model)
         self.lm_head = (
@@ -545,8 +530,14 @@ class EncoderDecoderModel(nn.Module):
         self.source_embedding = nn.Embedding(source_vocab_size, d_model)
         self.positions = SinusoidalPositions(d_model, max_len)
         self.dropout = nn.Dropout(dropout)
-        self.encoder_blocks = _encoder_stack(
-            num_encoder_layers, d_model, num_heads, hidden, dropout, activation, norm
+        self.encoder_blocks = stack_blocks(
+            num_encoder_layers,
+            d_model,
+            num_heads,
+            hidden,
+            dropout,
+            activation=activation,
+            norm=norm,
         )
         self.encoder_norm = _final_norm(norm, d_model)
         self.decoder = TransformerDecoder(

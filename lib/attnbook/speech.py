@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import EncoderBlock
+from .blocks import stack_blocks
 from .ctc import ctc_greedy_decode
 from .generation import generate
 from .masks import padding_mask
@@ -60,18 +60,20 @@ class FeatureEncoder(nn.Module):
         if stride not in (1, 2):
             raise ValueError(f"stride must be 1 or 2, got {stride!r}")
         self.n_features = check_positive_int("n_features", n_features)
-        num_layers = check_positive_int("num_layers", num_layers)
         self.stride = stride
         self.conv = nn.Conv1d(
             n_features, d_model, kernel_size=3, stride=stride, padding=1
         )
         self.positions = SinusoidalPositions(d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            EncoderBlock(
-                d_model, num_heads, 4 * d_model, dropout, activation="gelu", norm="pre"
-            )
-            for _ in range(num_layers)
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            4 * d_model,
+            dropout,
+            activation="gelu",
+            norm="pre",
         )
         self.norm = nn.LayerNorm(d_model)
 

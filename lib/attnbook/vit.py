@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import EncoderBlock
+from .blocks import stack_blocks
 from .positions import LearnedPositions, interpolate_grid
 from .utils import check_non_negative_int, check_positive_int, eval_mode
 
@@ -225,11 +225,14 @@ class ViT(nn.Module):
             if position_embedding == "learned"
             else None
         )
-        self.blocks = nn.ModuleList(
-            EncoderBlock(
-                d_model, num_heads, hidden, dropout, activation="gelu", norm="pre"
-            )
-            for _ in range(check_positive_int("num_layers", num_layers))
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            hidden,
+            dropout,
+            activation="gelu",
+            norm="pre",
         )
         # pre-norm: the residual stream is normalised once, at the end
         self.norm = nn.LayerNorm(d_model)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks import EncoderBlock
+from ..blocks import stack_blocks
 from ..models import TransformerDecoder
 from ..utils import check_positive_int, eval_mode
 
@@ -69,17 +69,19 @@ class AudioEncoder(nn.Module):
         super().__init__()
         self.n_mels = check_positive_int("n_mels", n_mels)
         self.max_frames = check_positive_int("max_frames", max_frames)
-        num_layers = check_positive_int("num_layers", num_layers)
         self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
         self.register_buffer(
             "positions", whisper_sinusoids(max_frames, d_model), persistent=False
         )
-        self.blocks = nn.ModuleList(
-            EncoderBlock(
-                d_model, num_heads, 4 * d_model, dropout, activation="gelu", norm="pre"
-            )
-            for _ in range(num_layers)
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            4 * d_model,
+            dropout,
+            activation="gelu",
+            norm="pre",
         )
         self.norm = nn.LayerNorm(d_model)
 
