@@ -97,12 +97,17 @@ def scaled_dot_product_attention(
     """
     _check_qkv(q, k, v)
     dropout_p = _check_dropout(dropout_p)
-    scores_shape = _scores_shape(q, k)
     if mask is not None:
-        check_mask(mask, scores_shape, q.device)
-        if mask.dtype != torch.bool:
-            # fully blocked rows are decided in q's dtype, on every path
-            mask = mask.to(q.dtype)
+        check_mask(mask, _scores_shape(q, k), q.device)
+    return _attention(q, k, v, mask, need_weights, is_causal, dropout_p)
+
+
+def _attention(q, k, v, mask, need_weights, is_causal, dropout_p):
+    """:func:`scaled_dot_product_attention` on inputs already checked (multi-head
+    attention checks its own once, and calls this once a layer and token)."""
+    if mask is not None and mask.dtype != torch.bool:
+        # fully blocked rows are decided in q's dtype, on every path
+        mask = mask.to(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if not need_weights:
         if is_causal and mask is None and n_q == n_k:

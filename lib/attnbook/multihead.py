@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import scaled_dot_product_attention
+from .attention import _attention, check_mask, scaled_dot_product_attention
 from .masks import attention_mask_for_heads
 from .positions import _check_rope_scaling, apply_rope
 from .utils import check_positive_int
@@ -150,19 +150,12 @@ class MultiHeadAttention(nn.Module):
         mask = attention_mask_for_heads(
             mask, key_padding_mask, B, q.shape[2], k.shape[2]
         )
+        if mask is not None:  # q, k and v are ours: only a caller's mask is checked
+            check_mask(mask, (B, self.num_heads, q.shape[2], k.shape[2]), q.device)
         # one computation, the fused kernel's without weights
         dropout_p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            need_weights=need_weights,
-            is_causal=is_causal,
-            # (B, h, Tq, d/h), weights after
-            # dropout
-            dropout_p=dropout_p,
-        )
+        # (B, h, Tq, d/h), and the weights after dropout or None
+        out, weights = _attention(q, k, v, mask, need_weights, is_causal, dropout_p)
         # (B, Tq, d), (B, h, Tq, Tk) or None
         return self.out_proj(merge_heads(out)), weights
 
