@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .masks import causal_key_stop, causal_mask, key_minus_query
+from .masks import causal_key_stop, causal_mask, mask_future_
 from .utils import check_positive_int
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -304,21 +304,8 @@ def online_softmax_attention(
                 else:
                     # -inf decided in q's dtype
                     scores.add_(block_mask.to(in_dtype).to(compute_dtype))
-            # the block reaches into its first query's future: a mask built on the fly
-            if is_causal and k_start + cols > causal_key_stop(q_start + 1, n_q, n_k):
-                future = (
-                    key_minus_query(
-                        n_q,
-                        n_k,
-                        query_start=q_start,
-                        rows=rows,
-                        key_start=k_start,
-                        cols=cols,
-                        device=q.device,
-                    )
-                    > 0
-                )  # (bq, bk)
-                scores.masked_fill_(future, float("-inf"))
+            if is_causal:  # the block's causal mask, built on the fly
+                mask_future_(scores, q_start, k_start, n_q, n_k)
             block_max = scores.amax(dim=-1, keepdim=True)  # (N, bq, 1)
             m_new = block_max if m is None else torch.maximum(m, block_max)
             # rows blocked so far: exp(-inf - 0) = 0, no NaN

@@ -22,7 +22,7 @@ import math
 import torch
 
 from .attention import _check_qkv, online_softmax_attention
-from .masks import causal_first_query, causal_key_stop, key_minus_query
+from .masks import causal_first_query, causal_key_stop, mask_future_
 from .utils import check_positive_int
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -75,27 +75,6 @@ def flash_tile_count(
     return len(flash_tiles(query_len, key_len, block_size, is_causal))
 
 
-def _mask_future_(scores: torch.Tensor, q_start: int, k_start: int, n_q: int, n_k: int):
-    """Set to ``-inf``, in place, the entries of a ``(..., bq, bk)`` tile whose key lies
-    in its query's future (bottom-right alignment)."""
-    rows, cols = scores.shape[-2:]
-    if k_start + cols <= causal_key_stop(q_start + 1, n_q, n_k):  # all seen by row 1
-        return
-    future = (
-        key_minus_query(
-            n_q,
-            n_k,
-            query_start=q_start,
-            rows=rows,
-            key_start=k_start,
-            cols=cols,
-            device=scores.device,
-        )
-        > 0
-    )  # (bq, bk)
-    scores.masked_fill_(future, float("-inf"))
-
-
 class FlashAttentionFunction(torch.autograd.Function):
     """The autograd function behind :func:`flash_attention` (call that: it checks).
 
@@ -145,7 +124,7 @@ class FlashAttentionFunction(torch.autograd.Function):
                 q_tile = q_scaled[:, :, q_start:q_stop]  # (B, h, bq, d)
                 s = q_tile @ k_tile.transpose(-2, -1)  # (B, h, bq, bk): recomputed
                 if is_causal:
-                    _mask_future_(s, q_start, k_start, n_q, n_k)
+                    mask_future_(s, q_start, k_start, n_q, n_k)
                 p = torch.exp(s - lse[:, :, q_start:q_stop])  # (B, h, bq, bk): weights
                 do_tile = do[:, :, q_start:q_stop]  # (B, h, bq, dv)
                 dv_tile += p.transpose(-2, -1) @ do_tile  # dV = P^T dO

@@ -49,6 +49,29 @@ def causal_first_query(key_start: int, query_len: int, key_len: int) -> int:
     return max(0, key_start - (key_len - query_len))
 
 
+def mask_future_(
+    scores: torch.Tensor, query_start: int, key_start: int, query_len: int, key_len: int
+) -> torch.Tensor:
+    """Set to ``-inf``, in place, the entries of a tile of scores ``(..., rows, cols)``
+    (query rows from ``query_start``, keys from ``key_start``, of ``query_len`` and
+    ``key_len`` in all) whose key lies in its query's future: the causal mask of one
+    tile, built on the fly by the tiled attentions. A tile that its first query sees
+    whole is left as it is."""
+    rows, cols = scores.shape[-2:]
+    if key_start + cols <= causal_key_stop(query_start + 1, query_len, key_len):
+        return scores
+    offset = key_minus_query(
+        query_len,
+        key_len,
+        query_start=query_start,
+        rows=rows,
+        key_start=key_start,
+        cols=cols,
+        device=scores.device,
+    )  # (rows, cols)
+    return scores.masked_fill_(offset > 0, float("-inf"))
+
+
 def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Tensor:
     """``(n, n)`` bool mask, ``True`` above the diagonal: token ``i`` may not see tokens
     ``j > i``.
@@ -224,6 +247,7 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "key_minus_query",
+    "mask_future_",
     "padding_mask",
     "sliding_window_mask",
 ]
