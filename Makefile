@@ -1,8 +1,8 @@
 # Attention & Transformers: build, test and run the book.
 #
 #   make book      build the HTML book into _build/html (from the committed, executed notebooks)
-#   make test      everything CI checks: ruff, unit tests, nbval on every notebook, the book
-#                  build with warnings as errors, and the browser test of the built site
+#   make test      everything CI checks: ruff, unit tests, nbval on every notebook, make robust,
+#                  the book build with warnings as errors, and the browser test of the built site
 #   make lab       JupyterLab on book/
 #   make execute   re-execute every notebook in place (NB=book/01_attention.ipynb for one; JOBS=2 runs
 #                  two at a time, one thread each: on 2 cores the whole book finishes sooner)
