@@ -199,11 +199,16 @@ def _check_token_list(name: str, tokens, vocab_size: int) -> list[int]:
     return tokens
 
 
-def _length_limit(model) -> int | None:
-    """How many tokens (prompt and new) a model can decode: ``max_len``, or none for a
-    model that says it streams (``max_sequence_len = None``: a windowed GPT whose
-    positions need no table)."""
-    return getattr(model, "max_sequence_len", model.max_len)
+def _check_length(model, prompt_len: int, max_new_tokens: int, whose: str = "") -> None:
+    """Raise unless ``prompt_len + max_new_tokens`` tokens fit the model: ``max_len``,
+    or no limit for a model that says it streams (``max_sequence_len = None``: a
+    windowed GPT whose positions need no table)."""
+    limit = getattr(model, "max_sequence_len", model.max_len)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
+            f"{whose}max_len={limit}"
+        )
 
 
 @dataclass(frozen=True)
@@ -258,12 +263,7 @@ def _decoding(
             f"{caller} continues one sequence: prompt must be (T,) or (1, T), got "
             f"{tuple(prompt.shape)}"
         )
-    limit = _length_limit(model)
-    if limit is not None and prompt.shape[1] + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt of {prompt.shape[1]} tokens + max_new_tokens={max_new_tokens} "
-            f"exceeds max_len={limit}"
-        )
+    _check_length(model, prompt.shape[1], max_new_tokens)
     device = next(model.parameters()).device
     prompt = prompt.to(device=device, dtype=torch.long)
     check_token_ids(prompt, model.vocab_size, name="prompt token ids")  # here, once
@@ -628,12 +628,7 @@ def speculative_generate(
     if temperature > 0:
         _check_generator(generator, device)
     T0 = prompt.shape[1]
-    limit = _length_limit(draft)
-    if limit is not None and T0 + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt of {T0} tokens + max_new_tokens={max_new_tokens} exceeds the "
-            f"draft's max_len={limit}"
-        )
+    _check_length(draft, T0, max_new_tokens, whose="the draft's ")
 
     stats = SpeculativeStats(new_tokens=max_new_tokens)
     target_step, draft_step = _decode_step(target), _decode_step(draft)
