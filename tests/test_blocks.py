@@ -92,6 +92,20 @@ def test_feed_forward_dropout_only_in_training():
     assert not torch.allclose(ffn(x), ffn(x))
 
 
+def test_dropout_layer_is_free_at_zero_and_rejects_what_nn_dropout_rejects():
+    from attnbook.blocks import dropout_layer
+
+    assert isinstance(dropout_layer(0.0), nn.Identity)
+    layer = dropout_layer(0.25)
+    assert isinstance(layer, nn.Dropout) and layer.p == 0.25
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="dropout probability"):
+            dropout_layer(bad)
+    # a block built without dropout calls no dropout at all, with it it drops
+    assert not any(isinstance(m, nn.Dropout) for m in EncoderBlock(8, 2).modules())
+    assert sum(isinstance(m, nn.Dropout) for m in EncoderBlock(8, 2, dropout=0.1).modules()) == 3
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"d": 0}, "d must be a positive int, got 0"),
     ({"d": 4, "hidden": 0}, "hidden must be a positive int, got 0"),
@@ -229,7 +243,7 @@ def test_decoder_block_matches_nn(norm, norm_first, activation, masks):
         mask = tgt_mask
     expected = reference(x, memory, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_padding,
                          memory_key_padding_mask=memory_padding)
-    out = ours(x, memory, mask, memory_key_padding_mask=memory_padding)
+    out = ours(x, memory, mask, key_padding_mask=memory_padding)
     assert out.shape == x.shape
     torch.testing.assert_close(out, expected, **TOL)
 
@@ -322,14 +336,14 @@ def test_decoder_records_weights(norm):
     block(x, memory)
     assert block.self_weights is None and block.cross_weights is None
     block.record_weights = True
-    out = block(x, memory, causal_mask(5), memory_key_padding_mask=padding_mask([7, 3]))
+    out = block(x, memory, causal_mask(5), key_padding_mask=padding_mask([7, 3]))
     assert block.self_weights.shape == (2, 4, 5, 5)
     assert block.cross_weights.shape == (2, 4, 5, 7)
     torch.testing.assert_close(block.self_weights.sum(-1), torch.ones(2, 4, 5))
     torch.testing.assert_close(block.cross_weights.sum(-1), torch.ones(2, 4, 5))
     assert bool((block.cross_weights[1, ..., 3:] == 0).all())
     block.record_weights = False
-    torch.testing.assert_close(block(x, memory, causal_mask(5), memory_key_padding_mask=padding_mask([7, 3])),
+    torch.testing.assert_close(block(x, memory, causal_mask(5), key_padding_mask=padding_mask([7, 3])),
                                out, **TOL)
 
 

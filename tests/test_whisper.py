@@ -16,7 +16,6 @@ values up to 12).
 
 import copy
 import importlib.util
-import itertools
 import json
 import math
 import struct
@@ -30,7 +29,7 @@ from attnbook import audio, beam_search, generate, metrics, whisper
 from attnbook.masks import causal_mask
 from attnbook.models import TransformerDecoder
 from attnbook.positions import sinusoidal_encoding
-from conftest import require
+from conftest import require, small_whisper
 
 CLIPS = Path(__file__).resolve().parents[1] / "book" / "data" / "speech"
 BF16 = torch.bfloat16
@@ -87,12 +86,6 @@ def test_whisper_sinusoids_put_sines_first_then_cosines():
         whisper.whisper_sinusoids(0, 8)
     with pytest.raises(ValueError, match="length must be a positive int, got True"):
         whisper.whisper_sinusoids(True, 8)
-
-
-def small_whisper(seed=0, dropout=0.0):
-    torch.manual_seed(seed)
-    return whisper.Whisper(n_mels=8, d_model=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
-                           vocab_size=30, max_frames=20, max_len=12, dropout=dropout).eval()
 
 
 def test_the_decoder_is_the_library_transformer_decoder():
@@ -382,7 +375,7 @@ def test_loader_rejects_a_checkpoint_that_does_not_fit(checkpoint):
     with pytest.raises(ValueError, match="unused \\['encoder/layer_4"):
         whisper.load_whisper_weights(model, extra)
     reshaped = dict(variables, **{"encoder/conv1/bias": torch.zeros(383)})
-    with pytest.raises(ValueError, match=r"mismatched shapes \['encoder.conv1.bias \(383,\) for \(384,\)'\]"):
+    with pytest.raises(ValueError, match=r"mismatched shapes \['encoder.stem.convs.0.bias \(383,\) for \(384,\)'\]"):
         whisper.load_whisper_weights(model, reshaped)
     interleaved = dict(variables, **{"encoder/position_encodings/encodings": sinusoidal_encoding(1500, 384)})
     with pytest.raises(ValueError, match="encoder positions differ"):
@@ -478,7 +471,7 @@ def test_transcribes_in_bf16(transcriber, mode):
 def test_transcribes_in_eval_mode_from_a_model_in_training_mode(transcriber):
     model = copy.deepcopy(transcriber.model).train()  # as after a fine-tuning step
     for block in model.decoder.blocks:  # dropout, as fine-tuning would use
-        block.dropout1.p = block.dropout3.p = 0.5
+        block.dropout1 = block.dropout3 = torch.nn.Dropout(0.5)
     trained = whisper.Transcriber(model, transcriber.tokenizer, start_token=transcriber.start_token,
                                   end_token=transcriber.end_token, task_tokens=transcriber.prompt[1:],
                                   suppress=transcriber.suppress, suppress_at_start=transcriber.suppress_at_start)
@@ -531,8 +524,10 @@ def _hf_whisper_tiny_en(transformers):
 
 def _hf_names(num_layers=4):
     """transformers' parameter name -> ours (the encoder's sinusoidal table aside)."""
-    names = {"model.encoder.conv1.weight": "encoder.conv1.weight", "model.encoder.conv1.bias": "encoder.conv1.bias",
-             "model.encoder.conv2.weight": "encoder.conv2.weight", "model.encoder.conv2.bias": "encoder.conv2.bias",
+    names = {"model.encoder.conv1.weight": "encoder.stem.convs.0.weight",
+             "model.encoder.conv1.bias": "encoder.stem.convs.0.bias",
+             "model.encoder.conv2.weight": "encoder.stem.convs.1.weight",
+             "model.encoder.conv2.bias": "encoder.stem.convs.1.bias",
              "model.encoder.layer_norm.weight": "encoder.norm.weight",
              "model.encoder.layer_norm.bias": "encoder.norm.bias",
              "model.decoder.embed_tokens.weight": "decoder.token_embedding.weight",
@@ -586,92 +581,7 @@ def test_matches_transformers_whisper_with_the_same_weights(transcriber):
         torch.testing.assert_close(transcriber.model(mel, tokens), expected, atol=2e-3, rtol=1e-4)
 
 
-# --- beam search ----------------------------------------------------------------------------------
-
-
-def full_log_probability(model, mel, prompt, tokens, end_token, suppress=(), suppress_at_start=()):
-    """The total log-probability of tokens (+ end) by one forward pass without a cache."""
-    sequence = torch.tensor([prompt + tokens + [end_token]])
-    with torch.no_grad():
-        logits = model(mel, sequence[:, :-1])[0, len(prompt) - 1 :].float()
-    logits[:, list(suppress)] = float("-inf")
-    logits[0, list(suppress_at_start)] = float("-inf")
-    targets = sequence[0, len(prompt) :]
-    return float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum())
-
-
-def beam(model, prompt, beam_size, max_new_tokens, **kwargs):
-    """Beam search ranked by total log-probability: ``(new tokens without the end token, score)``."""
-    tokens, score = beam_search(model, prompt, max_new_tokens, beam_size=beam_size, length_penalty=0.0,
-                                **kwargs)
-    new = tokens[len(prompt):]
-    assert tokens[: len(prompt)] == list(prompt)
-    return (new[:-1] if new and new[-1] == kwargs.get("end_token") else new), score
-
-
-def test_beam_search_of_width_1_is_greedy_and_scores_its_hypothesis():
-    model = small_whisper(3)
-    mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(5))
-    greedy = generate(model, torch.tensor([[5, 6]]), 9, mel=mel, end_token=29)[0, 2:].tolist()
-    greedy = greedy[: greedy.index(29)] if 29 in greedy else greedy
-    tokens, score = beam(model, [5, 6], 1, 9, mel=mel, end_token=29)
-    assert tokens == greedy
-    if len(tokens) < 9:  # finished: the score includes the end token's log-probability
-        assert math.isclose(score, full_log_probability(model, mel, [5, 6], tokens, 29), abs_tol=1e-4)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_beam_search_finds_the_best_sequence_of_a_small_space(seed):
-    # 3 allowed tokens and the end token, at most 3 new tokens: 1 + 3 + 9 + 27 hypotheses, few enough
-    # to score all of them. A beam as wide as the space, with the stopping rule, must find the best.
-    model = small_whisper(seed)
-    mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(seed))
-    allowed, end = [3, 7, 11], 29
-    suppress = [t for t in range(30) if t not in allowed + [end]]
-    candidates = [list(c) for n in range(0, 3) for c in itertools.product(allowed, repeat=n)]
-    scores = {tuple(c): full_log_probability(model, mel, [5], c, end, suppress) for c in candidates}
-    best = max(scores, key=scores.get)
-    tokens, score = beam(model, [5], 27, 3, mel=mel, end_token=end, suppress=suppress)
-    exhausted = [list(c) for c in itertools.product(allowed, repeat=3)]  # 3 tokens: max_new_tokens ran out
-    if len(tokens) < 3:
-        assert tuple(tokens) == best and math.isclose(score, scores[best], abs_tol=1e-4)
-    else:
-        assert tokens in exhausted
-    # whatever it returns scores at least as well as the greedy hypothesis (by the same full scorer)
-    greedy, _ = beam(model, [5], 1, 3, mel=mel, end_token=end, suppress=suppress)
-    if len(tokens) < 3 and len(greedy) < 3:
-        assert scores[tuple(tokens)] >= scores[tuple(greedy)] - 1e-6
-
-
-def test_beam_search_reorders_each_beams_cache():
-    # the score beam search reports was built step by step with reordered caches; a full forward pass of
-    # the hypothesis it returns must give the same number, whichever beams were swapped along the way
-    for seed in range(3):
-        model = small_whisper(seed)
-        mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(10 + seed))
-        tokens, score = beam(model, [1, 2], 4, 8, mel=mel, end_token=29, suppress=[0])
-        if len(tokens) < 8:
-            assert math.isclose(score, full_log_probability(model, mel, [1, 2], tokens, 29, [0]), abs_tol=1e-4)
-        else:  # ran out of tokens: the score has no end token
-            full = full_log_probability(model, mel, [1, 2], tokens, 29, [0])
-            assert score > full
-
-
-def test_beam_search_runs_in_eval_mode_and_rejects_bad_input():
-    model = small_whisper(4, dropout=0.5).train()
-    mel = torch.randn(1, 8, 40)
-    first = beam(model, [1], 3, 5, mel=mel, end_token=29)
-    assert beam(model, [1], 3, 5, mel=mel, end_token=29) == first and model.training
-    with pytest.raises(ValueError, match="beam_size must be a positive int, got 0"):
-        beam(model, [1], 0, 5, mel=mel, end_token=29)
-    with pytest.raises(ValueError, match="max_len=12"):
-        beam(model, [1, 2], 2, 11, mel=mel, end_token=29)
-    with pytest.raises(ValueError, match=r"end_token must hold token ids in \[0, 30\)"):
-        beam(model, [1], 2, 5, mel=mel, end_token=30)
-    with pytest.raises(ValueError, match="every token is suppressed"):
-        beam(model, [1], 2, 5, mel=mel, end_token=29, suppress=range(30))
-    with pytest.raises(TypeError, match="decoding interface"):
-        beam(torch.nn.Linear(2, 2), [1], 2, 5, end_token=1)
+# --- beam search through the transcriber (beam_search itself: test_generation.py) --------------------
 
 
 def test_transcriber_beam_search_scores_at_least_the_greedy_hypothesis(transcriber):
@@ -682,10 +592,10 @@ def test_transcriber_beam_search_scores_at_least_the_greedy_hypothesis(transcrib
     widest_score = transcriber.sequence_log_probability(clip, widest, rate)
     assert widest == greedy or widest_score > greedy_score
     assert greedy_score < 0 and math.isclose(
-        greedy_score, beam(transcriber.model, transcriber.prompt, 1, 50,
-                           mel=transcriber.log_mel(clip)[None], end_token=transcriber.end_token,
-                           suppress=transcriber.suppress,
-                           suppress_at_start=transcriber.suppress_at_start)[1], abs_tol=1e-3)
+        greedy_score, beam_search(transcriber.model, transcriber.prompt, 50, beam_size=1,
+                                  length_penalty=0.0, mel=transcriber.log_mel(clip)[None],
+                                  end_token=transcriber.end_token, suppress=transcriber.suppress,
+                                  suppress_at_start=transcriber.suppress_at_start)[1], abs_tol=1e-3)
     both = transcriber.sequence_log_probabilities(clip, [greedy, greedy[:-1]], rate)  # one encoder pass
     assert both[0] == pytest.approx(greedy_score, abs=1e-4) and both[1] < both[0]  # "." before the end is likely
     with pytest.raises(TypeError, match="list of transcripts"):

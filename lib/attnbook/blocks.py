@@ -27,6 +27,13 @@ def _check_choices(norm: str, activation: str) -> None:
         )
 
 
+def dropout_layer(p: float) -> nn.Module:
+    """``nn.Dropout(p)``, or ``nn.Identity()`` when ``p == 0``: a layer that drops
+    nothing should cost nothing (a decoding step would call a dozen of them). A ``p``
+    outside ``[0, 1]`` raises, as ``nn.Dropout`` does."""
+    return nn.Identity() if p == 0 else nn.Dropout(p)
+
+
 def _check_width(name: str, x, d_model: int) -> None:
     """Raise unless ``x`` is a tensor ending in ``d_model`` features (checked before any
     LayerNorm runs)."""
@@ -58,7 +65,7 @@ class FeedForward(nn.Module):
         _check_choices("post", activation)
         self.fc1 = nn.Linear(d, hidden)
         self.activation = ACTIVATIONS[activation]()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.fc2 = nn.Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +103,8 @@ class EncoderBlock(nn.Module):
         self.feed_forward = FeedForward(d_model, hidden, activation, dropout)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+        self.dropout1 = dropout_layer(dropout)
+        self.dropout2 = dropout_layer(dropout)
         self.record_weights = False
         self.weights = None
 
@@ -112,7 +119,8 @@ class EncoderBlock(nn.Module):
             cache=cache,
             is_causal=is_causal,
         )
-        self.weights = weights  # None unless record_weights
+        if self.record_weights:  # kept for the reader; None until recorded
+            self.weights = weights
         return self.dropout1(out)
 
     def forward(
@@ -164,10 +172,14 @@ class DecoderBlock(nn.Module):
     feed-forward network.
 
     ``forward(x (B, T, d), memory (B, S, d), mask=None, memory_mask=None,
-    memory_key_padding_mask=None, self_cache=None, cross_cache=None, is_causal=False) ->
+    key_padding_mask=None, self_cache=None, cross_cache=None, is_causal=False) ->
     (B, T, d)``. ``mask`` is the self-attention mask (``is_causal=True`` makes it causal
     without a mask tensor); the cross-attention queries come from ``x``, its keys and
-    values from ``memory``. Arguments after ``dropout`` are keyword-only; set
+    values from ``memory``, and ``key_padding_mask (B, S)`` is True at the padded memory
+    positions (the one padding a decoder needs: its own padded tokens come after the
+    real ones, which causal attention keeps from reading them; the library names every
+    padding mask ``key_padding_mask``, after the keys it hides). Arguments after
+    ``dropout`` are keyword-only; set
     ``record_weights = True`` to keep the last weights in ``self_weights`` and
     ``cross_weights``.
     """
@@ -193,15 +205,13 @@ class DecoderBlock(nn.Module):
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.dropout1, self.dropout2, self.dropout3 = (
-            nn.Dropout(dropout),
-            nn.Dropout(dropout),
-            nn.Dropout(dropout),
+            dropout_layer(dropout) for _ in range(3)
         )
         self.record_weights = False
         self.self_weights = self.cross_weights = None
 
     def _self(self, x, mask, cache, is_causal):
-        out, self.self_weights = self.self_attention(
+        out, weights = self.self_attention(
             x,
             x,
             x,
@@ -210,18 +220,22 @@ class DecoderBlock(nn.Module):
             cache=cache,
             is_causal=is_causal,
         )
+        if self.record_weights:
+            self.self_weights = weights
         return self.dropout1(out)
 
-    def _cross(self, x, memory, memory_mask, memory_key_padding_mask, cache):
-        out, self.cross_weights = self.cross_attention(
+    def _cross(self, x, memory, memory_mask, key_padding_mask, cache):
+        out, weights = self.cross_attention(
             x,
             memory,
             memory,
             memory_mask,
-            key_padding_mask=memory_key_padding_mask,
+            key_padding_mask=key_padding_mask,
             need_weights=self.record_weights,
             cache=cache,
         )
+        if self.record_weights:
+            self.cross_weights = weights
         return self.dropout2(out)
 
     def forward(
@@ -231,7 +245,7 @@ class DecoderBlock(nn.Module):
         mask=None,
         memory_mask=None,
         *,
-        memory_key_padding_mask=None,
+        key_padding_mask=None,
         self_cache=None,
         cross_cache=None,
         is_causal=False,
@@ -247,13 +261,13 @@ class DecoderBlock(nn.Module):
             x = self.norm2(
                 x
                 + self._cross(
-                    x, memory, memory_mask, memory_key_padding_mask, cross_cache
+                    x, memory, memory_mask, key_padding_mask, cross_cache
                 )
             )
             return self.norm3(x + self.dropout3(self.feed_forward(x)))
         x = x + self._self(self.norm1(x), mask, self_cache, is_causal)
         x = x + self._cross(
-            self.norm2(x), memory, memory_mask, memory_key_padding_mask, cross_cache
+            self.norm2(x), memory, memory_mask, key_padding_mask, cross_cache
         )
         return x + self.dropout3(self.feed_forward(self.norm3(x)))
 
@@ -352,5 +366,6 @@ __all__ = [
     "DecoderOnlyBlock",
     "EncoderBlock",
     "FeedForward",
+    "dropout_layer",
     "stack_blocks",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import DecoderBlock, DecoderOnlyBlock, stack_blocks
+from .blocks import DecoderBlock, DecoderOnlyBlock, dropout_layer, stack_blocks
 from .caches import make_caches
 from .masks import sliding_window_mask
 from .multihead import MultiHeadAttention, RotaryMultiHeadAttention
@@ -150,7 +150,7 @@ class GPT(nn.Module):
             self.positions = SinusoidalPositions(d_model, max_len)
         else:
             self.positions = None  # RoPE and ALiBi act inside attention; NoPE has none
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         attention_class = (
             RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
         )
@@ -313,7 +313,7 @@ class EncoderOnlyModel(nn.Module):
         self.vocab_size, self.max_len = vocab_size, max_len
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.blocks = stack_blocks(
             num_layers,
             d_model,
@@ -359,8 +359,9 @@ class TransformerDecoder(nn.Module):
     bottom right as with a cache; cross-attention whose queries come from the text and
     whose keys and values come from ``memory``; the feed-forward network), the final
     norm of a pre-norm stack, and an output head: ``lm_head`` (``nn.Linear``), or with
-    ``tied_head=True`` the token embedding transposed (Whisper). With ``caches`` (from
-    :meth:`make_caches`) ``tokens`` holds only the new tokens.
+    ``tied_head=True`` the token embedding transposed (Whisper). ``key_padding_mask (B,
+    S)`` is True at the memory's padding. With ``caches`` (from :meth:`make_caches`)
+    ``tokens`` holds only the new tokens.
     """
 
     def __init__(
@@ -400,7 +401,7 @@ class TransformerDecoder(nn.Module):
             if positions == "learned"
             else SinusoidalPositions(d_model, max_len)
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.blocks = stack_blocks(
             num_layers,
             d_model,
@@ -436,7 +437,7 @@ class TransformerDecoder(nn.Module):
         self,
         tokens,
         memory,
-        memory_padding_mask=None,
+        key_padding_mask=None,
         caches=None,
         *,
         check_ids: bool = True,
@@ -473,7 +474,7 @@ class TransformerDecoder(nn.Module):
             x = block(
                 x,
                 memory,
-                memory_key_padding_mask=memory_padding_mask,
+                key_padding_mask=key_padding_mask,
                 self_cache=self_cache,
                 cross_cache=cross_cache,
                 is_causal=True,
@@ -488,8 +489,10 @@ class TransformerDecoder(nn.Module):
 class EncoderDecoderModel(nn.Module):
     """Encoder–decoder (T5/BART-like) transformer with sinusoidal positions.
 
-    ``forward(source (B, S), target (B, T), source_padding_mask=None) -> logits (B, T,
-    target_vocab_size)``;
+    ``forward(source (B, S), target (B, T), key_padding_mask=None) -> logits (B, T,
+    target_vocab_size)``, where ``key_padding_mask (B, S)`` is True at the source's
+    padding: the keys that both the encoder's self-attention and the decoder's
+    cross-attention must not read;
     :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the
     :class:`TransformerDecoder` on it (with per-layer self-attention and cross-attention
     caches from :meth:`make_caches`).
@@ -529,7 +532,7 @@ class EncoderDecoderModel(nn.Module):
         self.scale = d_model**0.5
         self.source_embedding = nn.Embedding(source_vocab_size, d_model)
         self.positions = SinusoidalPositions(d_model, max_len)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.encoder_blocks = stack_blocks(
             num_encoder_layers,
             d_model,
@@ -563,19 +566,19 @@ class EncoderDecoderModel(nn.Module):
         """The vocabulary of the tokens it writes (the target's)."""
         return self.target_vocab_size
 
-    def encode(self, source, source_padding_mask=None):
+    def encode(self, source, key_padding_mask=None):
         check_token_ids(source, self.source_vocab_size, self.max_len, name="source ids")
         # (B, S, d)
         x = self.dropout(self.positions(self.source_embedding(source) * self.scale))
         for block in self.encoder_blocks:
-            x = block(x, key_padding_mask=source_padding_mask)
+            x = block(x, key_padding_mask=key_padding_mask)
         return self.encoder_norm(x)  # memory (B, S, d)
 
     def decode(
         self,
         target,
         memory,
-        source_padding_mask=None,
+        key_padding_mask=None,
         caches=None,
         *,
         check_ids: bool = True,
@@ -583,12 +586,12 @@ class EncoderDecoderModel(nn.Module):
         """Decoder logits ``(B, T, target_vocab)`` for ``target (B, T)`` (only the new
         tokens with ``caches``)."""
         return self.decoder(
-            target, memory, source_padding_mask, caches, check_ids=check_ids
+            target, memory, key_padding_mask, caches, check_ids=check_ids
         )
 
-    def forward(self, source, target, source_padding_mask=None):
+    def forward(self, source, target, key_padding_mask=None):
         return self.decode(
-            target, self.encode(source, source_padding_mask), source_padding_mask
+            target, self.encode(source, key_padding_mask), key_padding_mask
         )
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
@@ -597,8 +600,8 @@ class EncoderDecoderModel(nn.Module):
         return self.decoder.make_caches(batch_size, memory_len, device, dtype)
 
     # the decoding interface (see the module docstring)
-    def decoding_context(self, batch_size: int, source=None, source_padding_mask=None):
-        """``(memory (B, S, d), source_padding_mask (B, S) or None)`` for ``source (B,
+    def decoding_context(self, batch_size: int, source=None, key_padding_mask=None):
+        """``(memory (B, S, d), key_padding_mask (B, S) or None)`` for ``source (B,
         S)`` token ids."""
         if source is None:
             raise ValueError(
@@ -614,30 +617,30 @@ class EncoderDecoderModel(nn.Module):
                 f"source has batch size {source.shape[0]} but the prompt has "
                 f"{batch_size}"
             )
-        if source_padding_mask is not None:
-            source_padding_mask = torch.as_tensor(source_padding_mask)
-            source_padding_mask = (
-                source_padding_mask[None]
-                if source_padding_mask.dim() == 1
-                else source_padding_mask
+        if key_padding_mask is not None:
+            key_padding_mask = torch.as_tensor(key_padding_mask)
+            key_padding_mask = (
+                key_padding_mask[None]
+                if key_padding_mask.dim() == 1
+                else key_padding_mask
             )
-            if source_padding_mask.shape != source.shape:
+            if key_padding_mask.shape != source.shape:
                 raise ValueError(
-                    f"source_padding_mask {tuple(source_padding_mask.shape)} must have "
+                    f"key_padding_mask {tuple(key_padding_mask.shape)} must have "
                     "the source's "
                     f"shape {tuple(source.shape)}"
                 )
-            source_padding_mask = source_padding_mask.to(
+            key_padding_mask = key_padding_mask.to(
                 device=device, dtype=torch.bool
             )
-        return self.encode(source, source_padding_mask), source_padding_mask
+        return self.encode(source, key_padding_mask), key_padding_mask
 
     def decoding_caches(self, batch_size: int, context):
         return self.make_caches(batch_size, context[0].shape[1])
 
     def decode_step(self, tokens, context, caches):
-        memory, source_padding_mask = context
-        return self.decode(tokens, memory, source_padding_mask, caches, check_ids=False)
+        memory, key_padding_mask = context
+        return self.decode(tokens, memory, key_padding_mask, caches, check_ids=False)
 
 
 __all__ = [

@@ -95,7 +95,13 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
 
     def _check_inputs(self, query, key, value):
-        for name, x in (("query", query), ("key", key), ("value", value)):
+        # self-attention passes one tensor three times: check it once
+        inputs = (
+            (("query", query),)
+            if key is query and value is query
+            else (("query", query), ("key", key), ("value", value))
+        )
+        for name, x in inputs:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(
                     f"{name} must be a torch.Tensor, got {type(x).__name__}"

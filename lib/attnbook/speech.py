@@ -2,8 +2,10 @@
 label sequence whose alignment to the frames is unknown, on the same encoder (the CTC
 algorithm itself is in :mod:`attnbook.ctc`).
 
+- :class:`ConvStem`: the convolutional front end of every speech encoder in the book,
+  this chapter's and Whisper's: 1D convolutions of kernel 3, each followed by GELU.
 - :class:`FeatureEncoder`: ``features (B, T, n_features)`` -> one vector per output
-  frame (a strided 1D convolution, sinusoidal positions, pre-norm encoder blocks with
+  frame (a one-convolution stem, sinusoidal positions, pre-norm encoder blocks with
   the padding masked).
 - :class:`CTCModel`: the encoder and one classification per frame over the classes plus
   a *blank*, trained with ``F.ctc_loss`` (PyTorch's fused version of
@@ -29,13 +31,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import stack_blocks
+from .blocks import dropout_layer, stack_blocks
 from .ctc import ctc_greedy_decode
 from .generation import generate
 from .masks import padding_mask
 from .models import TransformerDecoder
 from .positions import SinusoidalPositions
 from .utils import check_positive_int, eval_mode
+
+
+class ConvStem(nn.Module):
+    """``(B, n_in, T) -> (B, d_model, T')``: one 1D convolution per entry of
+    ``strides`` (kernel 3, padding 1, the first from ``n_in`` channels, the others from
+    ``d_model``), each followed by GELU. A stride of 2 halves the frame rate, so ``T'``
+    is ``T`` after ``T -> (T - 1) // s + 1`` for each stride ``s``
+    (:meth:`output_lengths`). Whisper's stem is ``strides=(1, 2)``; chapter 10's
+    encoder has one convolution, ``strides=(2,)``.
+    """
+
+    def __init__(self, n_in: int, d_model: int, strides=(1, 2)):
+        super().__init__()
+        n_in, d_model = (
+            check_positive_int("n_in", n_in),
+            check_positive_int("d_model", d_model),
+        )
+        strides = tuple(strides)
+        if not strides or any(s not in (1, 2) for s in strides):
+            raise ValueError(
+                f"strides must be a non-empty tuple of 1s and 2s, got {strides!r}"
+            )
+        self.strides = strides
+        self.convs = nn.ModuleList(
+            nn.Conv1d(
+                n_in if i == 0 else d_model, d_model, kernel_size=3, stride=s, padding=1
+            )
+            for i, s in enumerate(strides)
+        )
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """How many output frames ``lengths`` input frames give."""
+        for s in self.strides:
+            lengths = torch.div(lengths - 1, s, rounding_mode="floor") + 1
+        return lengths
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = F.gelu(conv(x))  # (B, d, T) at the frame rate so far
+        return x
 
 
 class FeatureEncoder(nn.Module):
@@ -57,15 +99,11 @@ class FeatureEncoder(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        if stride not in (1, 2):
-            raise ValueError(f"stride must be 1 or 2, got {stride!r}")
         self.n_features = check_positive_int("n_features", n_features)
         self.stride = stride
-        self.conv = nn.Conv1d(
-            n_features, d_model, kernel_size=3, stride=stride, padding=1
-        )
+        self.stem = ConvStem(n_features, d_model, strides=(stride,))
         self.positions = SinusoidalPositions(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.blocks = stack_blocks(
             num_layers,
             d_model,
@@ -79,8 +117,8 @@ class FeatureEncoder(nn.Module):
 
     def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         """How many output frames ``lengths`` input frames give: ``(L - 1) // stride +
-        1``."""
-        return torch.div(lengths - 1, self.stride, rounding_mode="floor") + 1
+        1`` (the stem's count)."""
+        return self.stem.output_lengths(lengths)
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor):
         """Returns ``(hidden (B, T', d), key_padding_mask (B, T'), output lengths
@@ -106,13 +144,12 @@ class FeatureEncoder(nn.Module):
                 f"lengths must be (B={features.shape[0]},) in [1, "
                 f"{features.shape[1]}], got {got}"
             )
-        features = features.to(self.conv.weight.dtype)  # (B, T, F) in the model's dtype
+        # (B, T, F) in the model's dtype
+        features = features.to(self.stem.convs[0].weight.dtype)
         # (B, T): True on real frames
         keep = ~padding_mask(lengths, features.shape[1]).to(features.device)
         # (B, T', d)
-        x = F.gelu(self.conv((features * keep[..., None]).transpose(1, 2))).transpose(
-            1, 2
-        )
+        x = self.stem((features * keep[..., None]).transpose(1, 2)).transpose(1, 2)
         lengths = self.output_lengths(lengths)  # (B,)
         # (B, T')
         key_padding_mask = padding_mask(lengths, x.shape[1]).to(features.device)
@@ -327,6 +364,7 @@ class Seq2SeqSpeechModel(nn.Module):
 
 __all__ = [
     "CTCModel",
+    "ConvStem",
     "FeatureEncoder",
     "Seq2SeqSpeechModel",
 ]
