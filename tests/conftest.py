@@ -17,6 +17,7 @@ import os
 from types import ModuleType
 
 import pytest
+import torch
 
 
 def in_ci() -> bool:
@@ -33,3 +34,12 @@ def require(module_name: str) -> ModuleType:
         if in_ci():
             pytest.fail(f"CI={os.environ['CI']!r}: {message}", pytrace=False)
         pytest.skip(message, allow_module_level=True)
+
+
+def small_whisper(seed=0, dropout=0.0):
+    """A tiny randomly initialised Whisper (8 mel bands, width 16, 30 tokens, 12 positions), in eval mode."""
+    from attnbook import whisper
+
+    torch.manual_seed(seed)
+    return whisper.Whisper(n_mels=8, d_model=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
+                           vocab_size=30, max_frames=20, max_len=12, dropout=dropout).eval()

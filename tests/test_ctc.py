@@ -61,8 +61,24 @@ def test_feature_encoder_ignores_padding_and_halves_lengths():
         encoder(torch.randn(1, 4, 3), torch.tensor([4]))
     with pytest.raises(ValueError, match="lengths"):
         encoder(x, torch.tensor([12]))
-    with pytest.raises(ValueError, match="stride"):
+    with pytest.raises(ValueError, match=r"strides must be a non-empty tuple of 1s and 2s, got \(3,\)"):
         speech.FeatureEncoder(5, 16, 2, 2, stride=3)
+
+
+@pytest.mark.parametrize("strides", [(1,), (2,), (1, 2), (2, 2)])
+def test_conv_stem_is_convolutions_and_gelus_and_counts_its_frames(strides):
+    torch.manual_seed(0)
+    stem = speech.ConvStem(5, 8, strides=strides)
+    x = torch.randn(2, 5, 13)
+    expected = x
+    for conv, stride in zip(stem.convs, strides, strict=True):
+        expected = F.gelu(F.conv1d(expected, conv.weight, conv.bias, stride=stride, padding=1))
+    torch.testing.assert_close(stem(x), expected)
+    for length in range(1, 14):  # output_lengths counts what the convolutions give
+        assert int(stem.output_lengths(torch.tensor([length]))) == stem(x[..., :length]).shape[-1]
+    for bad in ((), (3,), (1, 0)):
+        with pytest.raises(ValueError, match="strides"):
+            speech.ConvStem(5, 8, strides=bad)
 
 
 def test_ctc_model_loss_is_torch_ctc_loss_and_decodes_classes():

@@ -1,6 +1,7 @@
 """generate(): the KV cache changes the cost, never the tokens; bad inputs get clear errors."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from attnbook import (
     speculative_generate,
 )
 from attnbook.cost import kv_cache_bytes
+from conftest import small_whisper
 
 VOCAB, SRC_VOCAB = 17, 13
 
@@ -123,11 +125,11 @@ def test_generate_restores_training_mode(gpt):
 @pytest.mark.parametrize("new", [1, 12])
 def test_encoder_decoder_cached_and_uncached_give_identical_tokens(seq2seq, temperature, new):
     source = torch.randint(0, SRC_VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
-    source_padding_mask = torch.zeros(2, 9, dtype=torch.bool)
-    source_padding_mask[1, 6:] = True  # the second source is 6 tokens long
+    key_padding_mask = torch.zeros(2, 9, dtype=torch.bool)
+    key_padding_mask[1, 6:] = True  # the second source is 6 tokens long
     start = torch.zeros(2, 1, dtype=torch.long)  # a start token
-    for mask in (None, source_padding_mask):
-        cached, uncached = both(seq2seq, start, new, temperature, source=source, source_padding_mask=mask)
+    for mask in (None, key_padding_mask):
+        cached, uncached = both(seq2seq, start, new, temperature, source=source, key_padding_mask=mask)
         assert cached.shape == (2, 1 + new)
         assert torch.equal(cached, uncached)
 
@@ -237,9 +239,9 @@ def test_source_and_mask_are_moved_and_cast(seq2seq):
     source = [[1, 2, 3, 0], [4, 5, 0, 0]]
     padding = [[0, 0, 0, 1], [0, 0, 1, 1]]
     start = torch.zeros(2, 1, dtype=torch.long)
-    out = generate(seq2seq, start, 4, source=torch.tensor(source, dtype=torch.int32), source_padding_mask=padding)
+    out = generate(seq2seq, start, 4, source=torch.tensor(source, dtype=torch.int32), key_padding_mask=padding)
     expected = generate(seq2seq, start, 4, source=torch.tensor(source),
-                        source_padding_mask=torch.tensor(padding, dtype=torch.bool))
+                        key_padding_mask=torch.tensor(padding, dtype=torch.bool))
     assert torch.equal(out, expected)
 
 
@@ -388,8 +390,8 @@ def sequence_log_probability(model, prompt, continuation):
 def test_gpt_beam_search_of_width_1_is_greedy(gpt):
     prompt = [3, 1, 4]
     tokens, score = beam_search(gpt, prompt, 12, beam_size=1)
-    assert tokens == generate(gpt, torch.tensor([prompt]), 12)[0].tolist()  # the prompt in front, as generate
-    assert score == pytest.approx(sequence_log_probability(gpt, prompt, tokens[3:]), abs=1e-4)
+    assert torch.equal(tokens, generate(gpt, torch.tensor([prompt]), 12))  # (1, T0 + new), as generate
+    assert score == pytest.approx(sequence_log_probability(gpt, prompt, tokens[0, 3:].tolist()), abs=1e-4)
 
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0])
@@ -400,7 +402,7 @@ def test_gpt_beam_search_wide_enough_is_exact(gpt, length_penalty):
     tokens, score = beam_search(gpt, prompt, 2, beam_size=VOCAB * VOCAB, length_penalty=length_penalty)
     best = max(((a, b) for a in range(VOCAB) for b in range(VOCAB)),
                key=lambda pair: sequence_log_probability(gpt, prompt, pair))
-    assert tokens == prompt + list(best)
+    assert tokens[0].tolist() == prompt + list(best)
     assert score == pytest.approx(sequence_log_probability(gpt, prompt, best), abs=1e-4)
     assert score >= beam_search(gpt, prompt, 2, beam_size=1)[1] - 1e-6
 
@@ -416,15 +418,15 @@ def test_gpt_beam_search_length_penalty_ranks_by_mean_log_probability(gpt):
         tokens, score = beam_search(gpt, prompt, 3, beam_size=len(space), length_penalty=length_penalty,
                                     end_token=end)
         best = max(totals, key=lambda c: totals[c] / len(c) ** length_penalty)
-        assert tokens == prompt + list(best) and score == pytest.approx(totals[best], abs=1e-4)
+        assert tokens[0].tolist() == prompt + list(best) and score == pytest.approx(totals[best], abs=1e-4)
 
 
 def test_seq2seq_beam_search_of_width_1_is_greedy(seq2seq):
     source = torch.tensor([[1, 5, 7, 2, 9]])
     tokens, _ = beam_search(seq2seq, [1], 10, beam_size=1, source=source)
-    assert tokens == generate(seq2seq, torch.tensor([[1]]), 10, source=source)[0].tolist()
+    assert torch.equal(tokens, generate(seq2seq, torch.tensor([[1]]), 10, source=source))
     wide, score = beam_search(seq2seq, [1], 10, beam_size=5, source=source)
-    assert len(wide) == 11 and score < 0
+    assert wide.shape == (1, 11) and wide.dtype == torch.long and score < 0
 
 
 def test_beam_search_rejects_bad_input(gpt):
@@ -440,6 +442,94 @@ def test_beam_search_rejects_bad_input(gpt):
         beam_search(gpt, [VOCAB], 3)
     with pytest.raises(ValueError, match="extra inputs"):
         beam_search(gpt, [1], 3, source=torch.tensor([[1]]))
+
+
+# --- beam search over an encoder-decoder: a small Whisper ----------------------------------------------------------------------------------
+
+
+def full_log_probability(model, mel, prompt, tokens, end_token, suppress=(), suppress_at_start=()):
+    """The total log-probability of tokens (+ end) by one forward pass without a cache."""
+    sequence = torch.tensor([prompt + tokens + [end_token]])
+    with torch.no_grad():
+        logits = model(mel, sequence[:, :-1])[0, len(prompt) - 1 :].float()
+    logits[:, list(suppress)] = float("-inf")
+    logits[0, list(suppress_at_start)] = float("-inf")
+    targets = sequence[0, len(prompt) :]
+    return float(torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum())
+
+
+def beam(model, prompt, beam_size, max_new_tokens, **kwargs):
+    """Beam search ranked by total log-probability: ``(new tokens without the end token, score)``."""
+    tokens, score = beam_search(model, prompt, max_new_tokens, beam_size=beam_size, length_penalty=0.0,
+                                **kwargs)
+    assert tokens.shape[0] == 1 and tokens[0, : len(prompt)].tolist() == list(prompt)
+    new = tokens[0, len(prompt):].tolist()
+    return (new[:-1] if new and new[-1] == kwargs.get("end_token") else new), score
+
+
+def test_beam_search_of_width_1_is_greedy_and_scores_its_hypothesis():
+    model = small_whisper(3)
+    mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(5))
+    greedy = generate(model, torch.tensor([[5, 6]]), 9, mel=mel, end_token=29)[0, 2:].tolist()
+    greedy = greedy[: greedy.index(29)] if 29 in greedy else greedy
+    tokens, score = beam(model, [5, 6], 1, 9, mel=mel, end_token=29)
+    assert tokens == greedy
+    if len(tokens) < 9:  # finished: the score includes the end token's log-probability
+        assert math.isclose(score, full_log_probability(model, mel, [5, 6], tokens, 29), abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_beam_search_finds_the_best_sequence_of_a_small_space(seed):
+    # 3 allowed tokens and the end token, at most 3 new tokens: 1 + 3 + 9 + 27 hypotheses, few enough
+    # to score all of them. A beam as wide as the space, with the stopping rule, must find the best.
+    model = small_whisper(seed)
+    mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(seed))
+    allowed, end = [3, 7, 11], 29
+    suppress = [t for t in range(30) if t not in allowed + [end]]
+    candidates = [list(c) for n in range(0, 3) for c in itertools.product(allowed, repeat=n)]
+    scores = {tuple(c): full_log_probability(model, mel, [5], c, end, suppress) for c in candidates}
+    best = max(scores, key=scores.get)
+    tokens, score = beam(model, [5], 27, 3, mel=mel, end_token=end, suppress=suppress)
+    exhausted = [list(c) for c in itertools.product(allowed, repeat=3)]  # 3 tokens: max_new_tokens ran out
+    if len(tokens) < 3:
+        assert tuple(tokens) == best and math.isclose(score, scores[best], abs_tol=1e-4)
+    else:
+        assert tokens in exhausted
+    # whatever it returns scores at least as well as the greedy hypothesis (by the same full scorer)
+    greedy, _ = beam(model, [5], 1, 3, mel=mel, end_token=end, suppress=suppress)
+    if len(tokens) < 3 and len(greedy) < 3:
+        assert scores[tuple(tokens)] >= scores[tuple(greedy)] - 1e-6
+
+
+def test_beam_search_reorders_each_beams_cache():
+    # the score beam search reports was built step by step with reordered caches; a full forward pass of
+    # the hypothesis it returns must give the same number, whichever beams were swapped along the way
+    for seed in range(3):
+        model = small_whisper(seed)
+        mel = torch.randn(1, 8, 40, generator=torch.Generator().manual_seed(10 + seed))
+        tokens, score = beam(model, [1, 2], 4, 8, mel=mel, end_token=29, suppress=[0])
+        if len(tokens) < 8:
+            assert math.isclose(score, full_log_probability(model, mel, [1, 2], tokens, 29, [0]), abs_tol=1e-4)
+        else:  # ran out of tokens: the score has no end token
+            full = full_log_probability(model, mel, [1, 2], tokens, 29, [0])
+            assert score > full
+
+
+def test_beam_search_runs_in_eval_mode_and_rejects_bad_input():
+    model = small_whisper(4, dropout=0.5).train()
+    mel = torch.randn(1, 8, 40)
+    first = beam(model, [1], 3, 5, mel=mel, end_token=29)
+    assert beam(model, [1], 3, 5, mel=mel, end_token=29) == first and model.training
+    with pytest.raises(ValueError, match="beam_size must be a positive int, got 0"):
+        beam(model, [1], 0, 5, mel=mel, end_token=29)
+    with pytest.raises(ValueError, match="max_len=12"):
+        beam(model, [1, 2], 2, 11, mel=mel, end_token=29)
+    with pytest.raises(ValueError, match=r"end_token must hold token ids in \[0, 30\)"):
+        beam(model, [1], 2, 5, mel=mel, end_token=30)
+    with pytest.raises(ValueError, match="every token is suppressed"):
+        beam(model, [1], 2, 5, mel=mel, end_token=29, suppress=range(30))
+    with pytest.raises(TypeError, match="decoding interface"):
+        beam(torch.nn.Linear(2, 2), [1], 2, 5, end_token=1)
 
 
 # ----------------------------------------------------------------------------- issue 26: top-k, top-p, speculative
@@ -707,11 +797,11 @@ def test_beam_search_of_width_1_is_greedy_with_an_end_token_and_a_length_penalty
     greedy decoding ends, whatever the length penalty (the runner-up used to carry on)."""
     for end in range(VOCAB):
         for prompt in ([3, 1, 4], [7], [5, 2]):
-            greedy = generate(gpt, torch.tensor([prompt]), 12, end_token=end)[0].tolist()
+            greedy = generate(gpt, torch.tensor([prompt]), 12, end_token=end)
             for length_penalty in (0.0, 0.6, 1.0):
                 tokens, _ = beam_search(gpt, prompt, 12, beam_size=1, end_token=end,
                                         length_penalty=length_penalty)
-                assert tokens == greedy, (end, prompt, length_penalty)
+                assert torch.equal(tokens, greedy), (end, prompt, length_penalty)
 
 
 def reference_beam_search(model, prompt, max_new_tokens, beam_size, length_penalty, end_token):
@@ -746,14 +836,15 @@ def test_beam_search_stops_early_only_when_no_live_prefix_can_win(gpt, end):
             expected, score = reference_beam_search(gpt, prompt, 8, beam_size, length_penalty, end)
             tokens, found = beam_search(gpt, prompt, 8, beam_size=beam_size, length_penalty=length_penalty,
                                         end_token=end)
-            assert tokens == expected, (prompt, beam_size, length_penalty)
+            assert tokens[0].tolist() == expected, (prompt, beam_size, length_penalty)
             assert found == pytest.approx(score, abs=1e-4)
 
 
 def test_beam_search_takes_the_prompt_shapes_generate_takes(gpt):
-    expected = beam_search(gpt, [3, 1, 4], 5, beam_size=2)
+    expected, score = beam_search(gpt, [3, 1, 4], 5, beam_size=2)
     for prompt in (torch.tensor([3, 1, 4]), torch.tensor([[3, 1, 4]]), (3, 1, 4)):
-        assert beam_search(gpt, prompt, 5, beam_size=2) == expected
+        tokens, same = beam_search(gpt, prompt, 5, beam_size=2)
+        assert torch.equal(tokens, expected) and same == score
     with pytest.raises(ValueError, match=r"one sequence: prompt must be \(T,\) or \(1, T\), got \(2, 3\)"):
         beam_search(gpt, torch.zeros(2, 3, dtype=torch.long), 5)
 

@@ -133,15 +133,15 @@ def test_encoder_decoder(device, precision):
                                                                       num_encoder_layers=1, num_decoder_layers=1,
                                                                       max_len=24), device)
     source, target = tokens(2, 7, 30, seed=2), tokens(2, 6)
-    source_padding_mask = attnbook.padding_mask(torch.tensor([7, 4]), 7)  # (2, 7): True at padding
+    key_padding_mask = attnbook.padding_mask(torch.tensor([7, 4]), 7)  # (2, 7): True at padding
     with running(device, precision):
-        logits = model(source.to(device), target.to(device), source_padding_mask.to(device))  # (2, 6, VOCAB)
+        logits = model(source.to(device), target.to(device), key_padding_mask.to(device))  # (2, 6, VOCAB)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target[:, 1:].flatten().to(device))
     with torch.no_grad():
-        check_output(logits, reference(source, target, source_padding_mask), device, precision)
+        check_output(logits, reference(source, target, key_padding_mask), device, precision)
     check_backward(model, loss)
     prompt = target[:, :1].to(device)
-    inputs = dict(source=source.to(device), source_padding_mask=source_padding_mask.to(device))
+    inputs = dict(source=source.to(device), key_padding_mask=key_padding_mask.to(device))
     with running(device, precision):
         cached = attnbook.generate(model, prompt, 8, **inputs)
         uncached = attnbook.generate(model, prompt, 8, use_cache=False, **inputs)

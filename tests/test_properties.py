@@ -623,7 +623,7 @@ def test_decoder_block_matches_pytorch(spec):
     x = torch.randn(spec["batch"], spec["t"], d, generator=gen, dtype=dtype)
     memory = torch.randn(spec["batch"], spec["s"], d, generator=gen, dtype=dtype)
     mask, torch_mask, memory_mask, kpm = block_masks(spec, spec["s"])
-    out = ours(x, memory, mask, memory_mask, memory_key_padding_mask=kpm, is_causal=spec["causal"] == "is_causal")
+    out = ours(x, memory, mask, memory_mask, key_padding_mask=kpm, is_causal=spec["causal"] == "is_causal")
     expected = reference(x, memory, tgt_mask=torch_mask, memory_mask=memory_mask,
                          memory_key_padding_mask=torch_kpm(kpm, memory_mask, dtype))
     assert out.shape == x.shape and out.dtype == dtype
@@ -744,9 +744,9 @@ def test_generate_encoder_decoder_cached_equals_uncached(spec, source_len, padde
     prompt = torch.randint(0, spec["vocab_size"], (spec["batch"], spec["prompt_len"]), generator=gen)
     source = torch.randint(0, 7, (spec["batch"], min(source_len, spec["max_len"])), generator=gen)
     lengths = torch.randint(1, source.shape[1] + 1, (spec["batch"],), generator=gen)
-    source_padding_mask = hand_padding(lengths.tolist(), source.shape[1]) if padded else None
+    key_padding_mask = hand_padding(lengths.tolist(), source.shape[1]) if padded else None
     cached, uncached = (generate(model, prompt, spec["new"], use_cache=use_cache, source=source,
-                                 source_padding_mask=source_padding_mask, temperature=spec["temperature"],
+                                 key_padding_mask=key_padding_mask, temperature=spec["temperature"],
                                  generator=torch.Generator().manual_seed(spec["seed"]))
                         for use_cache in (True, False))
     assert cached.shape == (spec["batch"], spec["prompt_len"] + spec["new"])

@@ -12,6 +12,12 @@ value per layer.
 10's speech model, and a wrapped or compiled one of them.
 :func:`speculative_generate` drives two of them, a target and a cheaper draft, over one
 shared vocabulary.
+
+One result convention for the three: the tokens come first, a ``(B, T0 + new)``
+LongTensor on the model's device with the prompt in front (``B = 1`` for the two that
+continue one sequence), and a loop that has more to say returns it second:
+:func:`generate` returns ``tokens``; :func:`beam_search` ``(tokens, log_prob)``;
+:func:`speculative_generate` ``(tokens, stats)``.
 """
 
 from __future__ import annotations
@@ -302,7 +308,7 @@ def generate(
     returns ``(B, T0 + new)``.
 
     ``inputs`` go to the model's ``decoding_context``, computed once: ``source=`` (and
-    ``source_padding_mask=``) for an :class:`~attnbook.models.EncoderDecoderModel`,
+    ``key_padding_mask=``) for an :class:`~attnbook.models.EncoderDecoderModel`,
     ``mel=`` for
     :class:`~attnbook.whisper.Whisper`, ``features=, lengths=`` for chapter 10's speech
     model. Greedy at ``temperature=0``; sampling otherwise, from ``generator`` (on the
@@ -409,8 +415,9 @@ def beam_search(
     suppress=(),
     suppress_at_start=(),
     **inputs,
-) -> tuple[list[int], float]:
-    """Beam search over a model with the decoding interface: ``(tokens, log_prob)``.
+) -> tuple[torch.Tensor, float]:
+    """Beam search over a model with the decoding interface: ``(tokens (1, T0 + new),
+    log_prob)``.
 
     ``tokens`` is the best hypothesis with the prompt in front, as :func:`generate`
     returns it (with ``end_token`` last if it finished), and ``log_prob`` the total
@@ -529,7 +536,9 @@ def beam_search(
             step_tokens = torch.tensor(tokens, device=device)[:, None]  # (beam, 1)
             logits = decode_step(step_tokens, context, caches)[:, -1]  # (beam, V)
     _, best_score, best = max(finished, key=lambda item: item[0])
-    return run.prompt[0].tolist() + best, float(best_score)
+    # (1, T0 + new)
+    tokens = torch.cat([run.prompt[0], run.prompt.new_tensor(best)])[None]
+    return tokens, float(best_score)
 
 
 @dataclass

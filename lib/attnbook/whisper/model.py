@@ -1,5 +1,6 @@
-"""Whisper as an encoder–decoder of the library's blocks: an :class:`AudioEncoder` (two
-1D convolutions with GELU, the second with stride 2, :func:`whisper_sinusoids`, pre-norm
+"""Whisper as an encoder–decoder of the library's blocks: an :class:`AudioEncoder` (the
+:class:`~attnbook.speech.ConvStem` of two 1D convolutions with GELU, the second with
+stride 2, :func:`whisper_sinusoids`, pre-norm
 encoder blocks) and the library's :class:`~attnbook.models.TransformerDecoder`, with the
 decoding interface of :mod:`attnbook.models`."""
 
@@ -8,11 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..blocks import stack_blocks
 from ..models import TransformerDecoder
+from ..speech import ConvStem
 from ..utils import check_positive_int, eval_mode
 
 
@@ -69,8 +70,8 @@ class AudioEncoder(nn.Module):
         super().__init__()
         self.n_mels = check_positive_int("n_mels", n_mels)
         self.max_frames = check_positive_int("max_frames", max_frames)
-        self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
+        # conv (stride 1) + GELU, conv (stride 2) + GELU
+        self.stem = ConvStem(n_mels, d_model, strides=(1, 2))
         self.register_buffer(
             "positions", whisper_sinusoids(max_frames, d_model), persistent=False
         )
@@ -102,10 +103,8 @@ class AudioEncoder(nn.Module):
                 f"got {tuple(mel.shape)}"
             )
         # the log-mel is float32; the model may be bf16
-        mel = mel.to(self.conv1.weight.dtype)
-        x = F.gelu(self.conv1(mel))  # (B, d, 2S)
-        x = F.gelu(self.conv2(x))  # (B, d, S): stride 2
-        x = x.transpose(1, 2)  # (B, S, d)
+        mel = mel.to(self.stem.convs[0].weight.dtype)
+        x = self.stem(mel).transpose(1, 2)  # (B, S, d): the stem halves 2S frames
         x = x + self.positions[: x.shape[1]].to(x.dtype)  # (B, S, d)
         for block in self.blocks:
             x = block(x)  # (B, S, d): every frame attends to every frame
@@ -203,7 +202,7 @@ class Whisper(nn.Module):
             raise ValueError(
                 f"mel has batch size {mel.shape[0]} but the prompt has {batch_size}"
             )
-        weight = self.encoder.conv1.weight
+        weight = self.encoder.stem.convs[0].weight
         # (B, S, d), once
         return self.encoder(mel.to(device=weight.device, dtype=weight.dtype))
 

@@ -122,7 +122,7 @@ class Transcriber:
                 suppress=self.suppress,
                 suppress_at_start=self.suppress_at_start,
             )
-            new = tokens[len(self.prompt) :]
+            new = tokens[0, len(self.prompt) :].tolist()
             return new[:-1] if new and new[-1] == self.end_token else new
         prompt = torch.tensor([self.prompt], device=self.device)  # (1, T0)
         tokens = generate(  # (1, T0 + new)

@@ -147,10 +147,10 @@ def whisper_weight_names(
     vectors hold zeros in their place (:func:`whisper_key_bias_slices`), which the
     loader checks and leaves out."""
     names = {
-        "encoder.conv1.weight": ("encoder/conv1/weight", 0, 1),
-        "encoder.conv1.bias": ("encoder/conv1/bias", 0, 1),
-        "encoder.conv2.weight": ("encoder/conv2/weight", 0, 1),
-        "encoder.conv2.bias": ("encoder/conv2/bias", 0, 1),
+        "encoder.stem.convs.0.weight": ("encoder/conv1/weight", 0, 1),
+        "encoder.stem.convs.0.bias": ("encoder/conv1/bias", 0, 1),
+        "encoder.stem.convs.1.weight": ("encoder/conv2/weight", 0, 1),
+        "encoder.stem.convs.1.bias": ("encoder/conv2/bias", 0, 1),
         "encoder.norm.weight": ("encoder/layer_norm/gamma", 0, 1),
         "encoder.norm.bias": ("encoder/layer_norm/beta", 0, 1),
         # also the output projection
