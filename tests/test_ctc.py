@@ -65,6 +65,26 @@ def test_feature_encoder_ignores_padding_and_halves_lengths():
         speech.FeatureEncoder(5, 16, 2, 2, stride=3)
 
 
+def test_speech_encoder_is_stem_positions_blocks_and_norm_and_whispers_encoder_is_one():
+    from attnbook import whisper
+
+    torch.manual_seed(0)
+    positions = torch.randn(6, 8)
+    encoder = speech.SpeechEncoder(5, 8, 2, 2, strides=(1, 2), positions=positions).eval()
+    x = torch.randn(2, 5, 11)  # (B, n_in, T) -> 6 frames
+    expected = encoder.stem(x).transpose(1, 2) + positions
+    for block in encoder.blocks:
+        expected = block(expected)
+    torch.testing.assert_close(encoder(x), encoder.norm(expected))
+    assert isinstance(whisper.AudioEncoder(8, 16, 2, 1, 20), speech.SpeechEncoder)
+    assert "positions" not in encoder.state_dict()  # fixed, not saved
+    with pytest.raises(ValueError, match=r"positions must be \(max_frames, d_model=8\), got \(6, 7\)"):
+        speech.SpeechEncoder(5, 8, 2, 1, strides=(2,), positions=torch.zeros(6, 7))
+    short = speech.FeatureEncoder(5, 16, 2, 1, max_frames=4)
+    with pytest.raises(ValueError, match="9 frames give 5 encoder positions, more than the 4 of max_frames"):
+        short(torch.randn(1, 9, 5), torch.tensor([9]))
+
+
 @pytest.mark.parametrize("strides", [(1,), (2,), (1, 2), (2, 2)])
 def test_conv_stem_is_convolutions_and_gelus_and_counts_its_frames(strides):
     torch.manual_seed(0)

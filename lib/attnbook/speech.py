@@ -4,9 +4,10 @@ algorithm itself is in :mod:`attnbook.ctc`).
 
 - :class:`ConvStem`: the convolutional front end of every speech encoder in the book,
   this chapter's and Whisper's: 1D convolutions of kernel 3, each followed by GELU.
+- :class:`SpeechEncoder`: that stem, a fixed position table, pre-norm encoder blocks
+  and a final norm; Whisper's encoder is one, and so is
 - :class:`FeatureEncoder`: ``features (B, T, n_features)`` -> one vector per output
-  frame (a one-convolution stem, sinusoidal positions, pre-norm encoder blocks with
-  the padding masked).
+  frame (a one-convolution stem, sinusoidal positions, the padding masked).
 - :class:`CTCModel`: the encoder and one classification per frame over the classes plus
   a *blank*, trained with ``F.ctc_loss`` (PyTorch's fused version of
   :func:`~attnbook.ctc.ctc_loss`) and read by :func:`~attnbook.ctc.ctc_greedy_decode`.
@@ -31,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import dropout_layer, stack_blocks
+from .blocks import stack_blocks
 from .ctc import ctc_greedy_decode
 from .generation import generate
 from .masks import padding_mask
 from .models import TransformerDecoder
-from .positions import SinusoidalPositions
+from .positions import sinusoidal_encoding
 from .utils import check_positive_int, eval_mode
 
 
@@ -80,12 +81,64 @@ class ConvStem(nn.Module):
         return x
 
 
-class FeatureEncoder(nn.Module):
-    """``features (B, T, n_features)`` -> ``(B, T', d)``: a 1D convolution over the
-    frames (kernel 3, GELU; with ``stride=2`` it halves the frame rate, as Whisper's
-    stem does), sinusoidal positions, pre-norm encoder blocks (padding masked) and a
-    final LayerNorm. One vector per output frame. The features are cast to the weights'
-    dtype first (they are float32; the model may be bf16).
+class SpeechEncoder(nn.Module):
+    """The encoder of every speech model in the book, Whisper's and chapter 10's: ``x
+    (B, n_in, T) -> (B, T', d)``.
+
+    A :class:`ConvStem` with ``strides``, a fixed position table ``positions
+    (max_frames, d)`` added, pre-norm encoder blocks (exact GELU, hidden ``4 d``) in
+    which ``key_padding_mask (B, T')`` hides padded frames, and a final LayerNorm. ``x``
+    is cast to the weights' dtype first (features and log-mels are float32; the model
+    may be bf16).
+    """
+
+    def __init__(
+        self,
+        n_in: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        strides,
+        positions: torch.Tensor,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.stem = ConvStem(n_in, d_model, strides)
+        if positions.dim() != 2 or positions.shape[1] != d_model:
+            raise ValueError(
+                f"positions must be (max_frames, d_model={d_model}), got "
+                f"{tuple(positions.shape)}"
+            )
+        # fixed: rebuilt with the model, not saved with its weights
+        self.register_buffer("positions", positions, persistent=False)
+        self.blocks = stack_blocks(
+            num_layers,
+            d_model,
+            num_heads,
+            4 * d_model,
+            dropout,
+            activation="gelu",
+            norm="pre",
+        )
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor, key_padding_mask=None) -> torch.Tensor:
+        # (B, T', d)
+        x = self.stem(x.to(self.stem.convs[0].weight.dtype)).transpose(1, 2)
+        x = x + self.positions[: x.shape[1]].to(x.dtype)  # (B, T', d)
+        for block in self.blocks:
+            x = block(x, key_padding_mask=key_padding_mask)  # (B, T', d)
+        return self.norm(x)
+
+
+class FeatureEncoder(SpeechEncoder):
+    """``features (B, T, n_features)`` -> ``(B, T', d)``: the :class:`SpeechEncoder`
+    with a one-convolution stem (kernel 3, GELU; with ``stride=2`` it halves the frame
+    rate, as Whisper's stem does) and the sinusoidal encoding
+    (:func:`~attnbook.positions.sinusoidal_encoding`, up to ``max_frames`` output
+    frames), the padded frames zeroed before the stem and masked in every block. One
+    vector per output frame.
     """
 
     def __init__(
@@ -97,23 +150,18 @@ class FeatureEncoder(nn.Module):
         *,
         stride: int = 2,
         dropout: float = 0.0,
+        max_frames: int = 1024,
     ):
-        super().__init__()
-        self.n_features = check_positive_int("n_features", n_features)
-        self.stride = stride
-        self.stem = ConvStem(n_features, d_model, strides=(stride,))
-        self.positions = SinusoidalPositions(d_model)
-        self.dropout = dropout_layer(dropout)
-        self.blocks = stack_blocks(
-            num_layers,
+        super().__init__(
+            n_features,
             d_model,
             num_heads,
-            4 * d_model,
-            dropout,
-            activation="gelu",
-            norm="pre",
+            num_layers,
+            strides=(stride,),
+            positions=sinusoidal_encoding(max_frames, d_model),
+            dropout=dropout,
         )
-        self.norm = nn.LayerNorm(d_model)
+        self.n_features, self.stride = n_features, stride
 
     def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         """How many output frames ``lengths`` input frames give: ``(L - 1) // stride +
@@ -144,19 +192,22 @@ class FeatureEncoder(nn.Module):
                 f"lengths must be (B={features.shape[0]},) in [1, "
                 f"{features.shape[1]}], got {got}"
             )
-        # (B, T, F) in the model's dtype
-        features = features.to(self.stem.convs[0].weight.dtype)
+        frames = int(self.output_lengths(torch.tensor(features.shape[1])))  # T'
+        if frames > self.positions.shape[0]:
+            raise ValueError(
+                f"{features.shape[1]} frames give {frames} encoder positions, more "
+                f"than the {self.positions.shape[0]} of max_frames"
+            )
         # (B, T): True on real frames
         keep = ~padding_mask(lengths, features.shape[1]).to(features.device)
-        # (B, T', d)
-        x = self.stem((features * keep[..., None]).transpose(1, 2)).transpose(1, 2)
         lengths = self.output_lengths(lengths)  # (B,)
         # (B, T')
-        key_padding_mask = padding_mask(lengths, x.shape[1]).to(features.device)
-        x = self.dropout(self.positions(x))  # (B, T', d)
-        for block in self.blocks:
-            x = block(x, key_padding_mask=key_padding_mask)  # (B, T', d)
-        return self.norm(x), key_padding_mask, lengths
+        key_padding_mask = padding_mask(lengths, frames).to(features.device)
+        # (B, F, T) with the padded frames zeroed -> (B, T', d)
+        hidden = super().forward(
+            (features * keep[..., None]).transpose(1, 2), key_padding_mask
+        )
+        return hidden, key_padding_mask, lengths
 
 
 class CTCModel(nn.Module):
@@ -367,4 +418,5 @@ __all__ = [
     "ConvStem",
     "FeatureEncoder",
     "Seq2SeqSpeechModel",
+    "SpeechEncoder",
 ]

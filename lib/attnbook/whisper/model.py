@@ -1,7 +1,7 @@
 """Whisper as an encoder–decoder of the library's blocks: an :class:`AudioEncoder` (the
-:class:`~attnbook.speech.ConvStem` of two 1D convolutions with GELU, the second with
-stride 2, :func:`whisper_sinusoids`, pre-norm
-encoder blocks) and the library's :class:`~attnbook.models.TransformerDecoder`, with the
+book's :class:`~attnbook.speech.SpeechEncoder`: two 1D convolutions with GELU, the
+second with stride 2, :func:`whisper_sinusoids`, pre-norm encoder blocks) and the
+library's :class:`~attnbook.models.TransformerDecoder`, with the
 decoding interface of :mod:`attnbook.models`."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import math
 import torch
 from torch import nn
 
-from ..blocks import stack_blocks
 from ..models import TransformerDecoder
-from ..speech import ConvStem
+from ..speech import SpeechEncoder
 from ..utils import check_positive_int, eval_mode
 
 
@@ -47,14 +46,13 @@ def whisper_sinusoids(
 # ------------------------------------------------------------------------------------
 
 
-class AudioEncoder(nn.Module):
+class AudioEncoder(SpeechEncoder):
     """Whisper's encoder: ``mel (B, n_mels, 2S) -> (B, S, d)``.
 
-    Two 1D convolutions (kernel 3, GELU after each; the second with stride 2 halves the
-    frame rate to 50 a second), plus fixed sinusoidal positions
-    (:func:`whisper_sinusoids`), then pre-norm encoder blocks (exact GELU) and a final
-    LayerNorm. ``mel`` is cast to the weights' dtype first (the log-mel is float32; the
-    model may be bf16).
+    The :class:`~attnbook.speech.SpeechEncoder` with two 1D convolutions in its stem
+    (kernel 3, GELU after each; the second with stride 2 halves the frame rate to 50 a
+    second) and :func:`whisper_sinusoids` for positions; no padding (Whisper pads every
+    clip to 30 s).
     """
 
     def __init__(
@@ -67,24 +65,18 @@ class AudioEncoder(nn.Module):
         *,
         dropout: float = 0.0,
     ):
-        super().__init__()
-        self.n_mels = check_positive_int("n_mels", n_mels)
-        self.max_frames = check_positive_int("max_frames", max_frames)
-        # conv (stride 1) + GELU, conv (stride 2) + GELU
-        self.stem = ConvStem(n_mels, d_model, strides=(1, 2))
-        self.register_buffer(
-            "positions", whisper_sinusoids(max_frames, d_model), persistent=False
-        )
-        self.blocks = stack_blocks(
-            num_layers,
+        super().__init__(
+            n_mels,
             d_model,
             num_heads,
-            4 * d_model,
-            dropout,
-            activation="gelu",
-            norm="pre",
+            num_layers,
+            strides=(1, 2),
+            positions=whisper_sinusoids(
+                check_positive_int("max_frames", max_frames), d_model
+            ),
+            dropout=dropout,
         )
-        self.norm = nn.LayerNorm(d_model)
+        self.n_mels, self.max_frames = n_mels, max_frames
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         if not isinstance(mel, torch.Tensor) or not mel.is_floating_point():
@@ -102,13 +94,7 @@ class AudioEncoder(nn.Module):
                 f"{2 * self.max_frames}), "
                 f"got {tuple(mel.shape)}"
             )
-        # the log-mel is float32; the model may be bf16
-        mel = mel.to(self.stem.convs[0].weight.dtype)
-        x = self.stem(mel).transpose(1, 2)  # (B, S, d): the stem halves 2S frames
-        x = x + self.positions[: x.shape[1]].to(x.dtype)  # (B, S, d)
-        for block in self.blocks:
-            x = block(x)  # (B, S, d): every frame attends to every frame
-        return self.norm(x)
+        return super().forward(mel)  # (B, S, d): every frame attends to every frame
 
 
 class Whisper(nn.Module):
