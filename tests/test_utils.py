@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from attnbook import causal_mask, device, seed_everything, show_source
+from attnbook import utils as attnbook_utils
 
 
 def test_device_is_a_torch_device_and_can_be_forced(monkeypatch):
@@ -46,10 +47,16 @@ def test_seed_everything_repeats_every_generator():
         seed_everything(-1)
 
 
-def test_show_source_renders_the_real_source():
+def test_show_source_shows_the_real_source_and_nothing_else():
+    import inspect
+
     code = show_source(causal_mask)
-    assert "def causal_mask" in code.data
-    assert "causal_mask" in code._repr_html_() and "<span" in code._repr_html_()  # highlighted
+    assert code.data == inspect.getsource(causal_mask) and repr(code) == code.data  # text/plain
+    # Markdown: one fenced Python block that Jupyter and the book highlight
+    assert code._repr_markdown_() == "```python\n" + inspect.getsource(causal_mask) + "```"
+    assert not hasattr(code, "_repr_html_")  # nothing that depends on a highlighter's version
+    fenced = attnbook_utils.Listing("x = '```'\n")._repr_markdown_()  # backticks inside
+    assert fenced.startswith("````python\n") and fenced.endswith("\n````")
     with pytest.raises(TypeError, match="Python source"):
         show_source(3)
 

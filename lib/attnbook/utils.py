@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -166,14 +167,25 @@ def generator(seed: int, device: torch.device | str | None = None) -> torch.Gene
     )
 
 
-def show_source(obj):
-    """Display the source code of a function, class or module, highlighted.
+class Listing:
+    """Source code to display: Markdown (a fenced Python block, which Jupyter and the
+    book highlight) and plain text (the source itself), both nothing but the source, so
+    that a stored listing can be compared with the code it shows."""
 
-    Returns an ``IPython.display.Code`` object: Jupyter and the HTML book both render it
-    as a highlighted code block, and its plain-text form is the source itself.
-    """
-    from IPython.display import Code
+    def __init__(self, source: str):
+        self.data = source
 
+    def _repr_markdown_(self) -> str:
+        # a fence longer than any run of backticks inside the source
+        fence = "`" * max(3, 1 + max(map(len, re.findall("`+", self.data)), default=0))
+        return f"{fence}python\n{self.data}{fence}"
+
+    def __repr__(self) -> str:
+        return self.data
+
+
+def show_source(obj) -> Listing:
+    """Display the source code of a function, class or module as a :class:`Listing`."""
     try:
         source = inspect.getsource(obj)
     except (TypeError, OSError) as error:
@@ -181,7 +193,7 @@ def show_source(obj):
             "show_source needs a function, class or module with Python source, got "
             f"{obj!r}"
         ) from error
-    return Code(source, language="python")
+    return Listing(source)
 
 
 def progress(iterable=None, **kwargs):
@@ -251,6 +263,7 @@ def copy_weights(
 
 
 __all__ = [
+    "Listing",
     "check_non_negative_int",
     "check_positive_int",
     "check_token_ids",
