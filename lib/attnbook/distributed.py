@@ -147,7 +147,9 @@ def rank_batches(
     A ``DistributedSampler`` shuffles the indices with the same seed on every rank (a
     new order each epoch, via ``set_epoch``) and deals them out like cards: rank ``r``
     takes positions ``r, r + W, r + 2W, ...``, so the ranks' shares of an epoch are
-    disjoint and together cover the dataset.
+    disjoint. With ``drop_last=True`` (here, in the sampler and the loader) the windows
+    that do not fill a share or a batch are left out of that epoch, never read twice;
+    the shares cover the dataset exactly when it divides by ``global_batch``.
     """
     if config.global_batch % world_size:
         raise ValueError(
@@ -404,7 +406,8 @@ def train_fsdp(
     from torch.distributed.fsdp import fully_shard
 
     model = build_model(vocab_size, config).to(device)
-    # one unit per block: one block's full weights gathered at a time
+    # one unit per block: only a block or two hold full weights at a time (the one that
+    # runs, and the next, gathered in advance)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)  # the root unit: embeddings, final norm, head
