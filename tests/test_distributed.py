@@ -80,6 +80,40 @@ def test_ddp_and_fsdp_match_one_process_on_the_global_batch(tmp_path, one_thread
         assert sum(bucket["elements"] for bucket in buckets) == total, step
 
 
+def test_gradient_accumulation_matches_one_process_and_communicates_once_a_step(tmp_path, one_thread):
+    """Two micro-steps per optimizer step on each rank (no_sync for DDP, set_requires_gradient_sync(False)
+    for FSDP, each loss divided by the micro-steps): the same parameters as one process on the whole global
+    batch, and DDP all-reduces every gradient once per optimizer step, not once per micro-step."""
+    config = Config(steps=STEPS, micro_steps=2)
+    launch(tmp_path, nproc=2, config=config, timeout=240)
+    ddp = torch.load(tmp_path / "ddp_rank0.pt")
+    fsdp = torch.load(tmp_path / "fsdp.pt")
+    report = json.loads((tmp_path / "report_rank0.json").read_text())
+    tolerance = TOLERANCE[report["backend"]]
+    reference, _ = train_single(config, device="cuda" if report["backend"] == "nccl" else "cpu")
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(ddp[name], p.detach().cpu(), atol=tolerance, rtol=0, msg=name)
+        torch.testing.assert_close(fsdp[name], p.detach().cpu(), atol=tolerance, rtol=0, msg=name)
+    if report["backend"] == "gloo":  # DDP's own arithmetic, accumulation included, exactly
+        averaged, _ = train_averaging(config)
+        for name, p in averaged.named_parameters():
+            assert torch.equal(ddp[name], p.detach()), name
+    total = sum(p.numel() for p in reference.parameters())
+    for step in ("buckets_first_step", "buckets_last_step"):  # one all-reduce of each gradient
+        assert sum(bucket["elements"] for bucket in report["ddp"][step]) == total, step
+    # without dividing each micro-step's loss, the accumulated gradient is micro_steps times too large
+    dataset, vocab_size = windows_dataset(config)
+    model = distributed.build_model(vocab_size, config)
+    stream = rank_batches(dataset, config, 0, 1)
+    micro = [next(stream) for _ in range(config.micro_steps)]
+    summed = [sum(g) for g in zip(*(torch.autograd.grad(distributed.next_token_loss(model, b),
+                                                        model.parameters()) for b in micro), strict=True)]
+    whole = (torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro]))
+    mean = torch.autograd.grad(distributed.next_token_loss(model, whole), model.parameters())
+    for s_, m in zip(summed, mean, strict=True):
+        torch.testing.assert_close(s_, config.micro_steps * m, atol=1e-6, rtol=1e-4)
+
+
 def test_sampler_deals_disjoint_shares_that_cover_the_global_batch():
     config = Config(num_windows=64, global_batch=8)
     dataset, _ = windows_dataset(config)
@@ -95,8 +129,12 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="steps"):
         Config(steps=0)
     dataset, _ = windows_dataset(Config(num_windows=8))
-    with pytest.raises(ValueError, match="multiple of world_size=3"):
+    with pytest.raises(ValueError, match=r"multiple of world_size \* micro_steps = 3 \* 1"):
         next(rank_batches(dataset, Config(global_batch=16), 0, 3))
+    with pytest.raises(ValueError, match=r"multiple of world_size \* micro_steps = 2 \* 3"):
+        next(rank_batches(dataset, Config(global_batch=16, micro_steps=3), 0, 2))
+    with pytest.raises(ValueError, match="micro_steps"):
+        Config(micro_steps=0)
     with pytest.raises(ValueError, match="d_model"):
         launch("unused", config=Config(d_model=32))
     with pytest.raises(SystemExit):  # not started by torchrun

@@ -38,6 +38,7 @@ ranks' mean losses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -45,7 +46,6 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from itertools import islice
 from pathlib import Path
 
 import torch
@@ -68,8 +68,11 @@ class Config:
 
     seed: int = 0
     steps: int = 20  # optimizer steps
-    # windows per step over all ranks; each rank reads global_batch / world_size
+    # windows per optimizer step over all ranks and micro-steps: each rank reads
+    # global_batch / (world_size * micro_steps) windows per micro-step
     global_batch: int = 16
+    # gradient accumulation: forward and backward passes per optimizer step on each rank
+    micro_steps: int = 1
     seq_len: int = 32  # characters per window
     d_model: int = 64
     num_heads: int = 4
@@ -87,6 +90,7 @@ class Config:
         for name in (
             "steps",
             "global_batch",
+            "micro_steps",
             "seq_len",
             "d_model",
             "num_heads",
@@ -142,7 +146,7 @@ def rank_batches(
     dataset: TensorDataset, config: Config, rank: int, world_size: int
 ) -> Iterator:
     """Rank ``rank``'s endless stream of ``(x, y)`` batches of ``global_batch /
-    world_size`` windows.
+    (world_size * micro_steps)`` windows (one per micro-step).
 
     A ``DistributedSampler`` shuffles the indices with the same seed on every rank (a
     new order each epoch, via ``set_epoch``) and deals them out like cards: rank ``r``
@@ -151,10 +155,10 @@ def rank_batches(
     that do not fill a share or a batch are left out of that epoch, never read twice;
     the shares cover the dataset exactly when it divides by ``global_batch``.
     """
-    if config.global_batch % world_size:
+    if config.global_batch % (world_size * config.micro_steps):
         raise ValueError(
             f"global_batch={config.global_batch} must be a multiple of "
-            f"world_size={world_size}"
+            f"world_size * micro_steps = {world_size} * {config.micro_steps}"
         )
     sampler = DistributedSampler(
         dataset,
@@ -166,7 +170,7 @@ def rank_batches(
     )
     loader = DataLoader(
         dataset,
-        batch_size=config.global_batch // world_size,
+        batch_size=config.global_batch // (world_size * config.micro_steps),
         sampler=sampler,
         drop_last=True,
     )
@@ -178,13 +182,13 @@ def rank_batches(
 
 
 def global_batches(dataset: TensorDataset, config: Config, world_size: int) -> Iterator:
-    """The global batch of every step: the ranks' batches of :func:`rank_batches`,
-    concatenated."""
+    """The global batch of every optimizer step: all the ranks' micro-batches of that
+    step (:func:`rank_batches`), concatenated."""
     streams = [
         rank_batches(dataset, config, rank, world_size) for rank in range(world_size)
     ]
     while True:
-        parts = [next(stream) for stream in streams]
+        parts = [next(stream) for stream in streams for _ in range(config.micro_steps)]
         yield torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 
@@ -219,35 +223,71 @@ def build_optimizer(model: nn.Module, config: Config) -> Optimizer:
 
 
 def train_steps(
-    model: nn.Module, batches: Iterator, config: Config, device
+    model: nn.Module,
+    batches: Iterator,
+    config: Config,
+    device,
+    *,
+    micro_steps: int | None = None,
+    no_sync=None,
 ) -> tuple[list[float], Optimizer]:
-    """``config.steps`` optimizer steps on batches from ``batches``; returns ``(losses,
+    """``config.steps`` optimizer steps, each on ``micro_steps`` (default
+    ``config.micro_steps``) batches from ``batches``; returns ``(mean loss of each step,
     optimizer)``.
 
     The same loop serves the single process, a DDP-wrapped model and an FSDP-sharded
-    one: the wrappers do their communication inside ``forward`` and ``backward``.
+    one: the wrappers do their communication inside ``forward`` and ``backward``. With
+    gradient accumulation each micro-batch's loss is divided by ``micro_steps`` before
+    its backward, so the summed gradients are those of the mean over the step's
+    windows; ``no_sync`` (a context manager factory: DDP's ``no_sync``,
+    :func:`fsdp_no_sync` for FSDP) keeps every micro-step's gradients local but the
+    last one's, so the ranks communicate once per optimizer step.
     """
+    micro_steps = config.micro_steps if micro_steps is None else micro_steps
     optimizer = build_optimizer(model, config)
-    losses = []
-    for batch in islice(batches, config.steps):
-        loss = next_token_loss(model, to_device(batch, device))
+    batches, losses = iter(batches), []
+    for _ in range(config.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = 0.0
+        for micro in range(micro_steps):
+            local = no_sync is not None and micro < micro_steps - 1
+            with no_sync() if local else contextlib.nullcontext():
+                loss = next_token_loss(model, to_device(next(batches), device))
+                (loss / micro_steps).backward()
+            step_loss += loss.detach() / micro_steps
         optimizer.step()
-        losses.append(loss.detach())
+        losses.append(step_loss)
     return [float(loss) for loss in losses], optimizer
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module):
+    """FSDP's counterpart of DDP's ``no_sync()``: inside, backward leaves the
+    gradients unsharded on each rank and skips the reduce-scatter
+    (``set_requires_gradient_sync(False)``); the next backward outside reduces what
+    accumulated."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def train_single(
     config: Config, world_size: int = 2, device=None
 ) -> tuple[GPT, list[float]]:
     """The reference: one process trains on the whole global batch of every step (the
-    ``world_size`` ranks' shares concatenated). Returns ``(model, losses)``."""
+    ``world_size`` ranks' micro-batches concatenated) in one forward and backward pass.
+    Returns ``(model, losses)``."""
     device = torch.device("cpu") if device is None else torch.device(device)
     dataset, vocab_size = windows_dataset(config)
     model = build_model(vocab_size, config).to(device)
     losses, _ = train_steps(
-        model, global_batches(dataset, config, world_size), config, device
+        model,
+        global_batches(dataset, config, world_size),
+        config,
+        device,
+        micro_steps=1,
     )
     return model, losses
 
@@ -256,8 +296,9 @@ def train_averaging(
     config: Config, world_size: int = 2, device=None
 ) -> tuple[GPT, list[float]]:
     """DDP's arithmetic in one process: at every step, the gradient of each rank's share
-    of the batch, divided by ``world_size`` and summed in rank order, is the gradient
-    the optimizer uses.
+    of the batch (accumulated over its micro-batches, each loss divided by
+    ``micro_steps``), divided by ``world_size`` and summed in rank order, is the
+    gradient the optimizer uses.
 
     DDP divides each bucket by the world size and then all-reduces it (a sum); with two
     ranks the sum of two numbers does not depend on its order, so this gives DDP's
@@ -276,14 +317,22 @@ def train_averaging(
     for _ in range(config.steps):
         grads, step_loss = None, 0.0
         for stream in streams:  # each rank: forward and backward on its own share
-            loss = next_token_loss(model, to_device(next(stream), device))
-            rank_grads = [g / world_size for g in torch.autograd.grad(loss, params)]
+            local = None  # the rank's gradients, accumulated as autograd does
+            for _ in range(config.micro_steps):
+                loss = next_token_loss(model, to_device(next(stream), device))
+                micro = torch.autograd.grad(loss / config.micro_steps, params)
+                local = (
+                    micro
+                    if local is None
+                    else [a + b for a, b in zip(local, micro, strict=True)]
+                )
+                step_loss += float(loss.detach()) / (world_size * config.micro_steps)
+            rank_grads = [g / world_size for g in local]
             grads = (
                 rank_grads
                 if grads is None
                 else [a + b for a, b in zip(grads, rank_grads, strict=True)]
             )
-            step_loss += float(loss.detach()) / world_size
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         optimizer.step()
@@ -373,15 +422,15 @@ def train_ddp(
     # records the buckets, then all-reduces them as DDP would
     ddp.register_comm_hook(None, log.hook)
 
-    def counted(batches):  # tell the hook which step's backward it is in
-        for step, batch in enumerate(batches):
-            log.step = step
+    def counted(batches):  # tell the hook which optimizer step's backward it is in
+        for index, batch in enumerate(batches):
+            log.step = index // config.micro_steps
             yield batch
 
     # this rank's share of each batch
     batches = counted(rank_batches(dataset, config, rank, world_size))
-    # the single-process loop, unchanged
-    losses, optimizer = train_steps(ddp, batches, config, device)
+    # the single-process loop, unchanged; with accumulation, no all-reduce but the last
+    losses, optimizer = train_steps(ddp, batches, config, device, no_sync=ddp.no_sync)
     params = {name: p.detach().cpu() for name, p in model.named_parameters()}
     return params, {
         "losses": losses,
@@ -412,7 +461,11 @@ def train_fsdp(
         fully_shard(block)
     fully_shard(model)  # the root unit: embeddings, final norm, head
     losses, optimizer = train_steps(
-        model, rank_batches(dataset, config, rank, world_size), config, device
+        model,
+        rank_batches(dataset, config, rank, world_size),
+        config,
+        device,
+        no_sync=lambda: fsdp_no_sync(model),
     )
     stored = stored_numbers(model, optimizer)  # this rank's shards only
     # an all-gather
@@ -436,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--global-batch", type=int, default=Config.global_batch)
+    parser.add_argument("--micro-steps", type=int, default=Config.micro_steps)
     parser.add_argument(
         "--optimizer", choices=("sgd", "adamw"), default=Config.optimizer
     )
@@ -450,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         steps=args.steps,
         global_batch=args.global_batch,
+        micro_steps=args.micro_steps,
         optimizer=args.optimizer,
         lr=args.lr,
     )
@@ -500,8 +555,9 @@ def launch(
     """Start ``nproc`` ranks of :func:`main` with torchrun and wait for them; return the
     finished process.
 
-    ``config`` (default ``Config()``) passes its seed, steps, global batch, optimizer
-    and learning rate to the ranks; its other fields must keep their defaults.
+    ``config`` (default ``Config()``) passes its seed, steps, global batch,
+    micro-steps, optimizer and learning rate to the ranks; its other fields must keep
+    their defaults.
 
     ``--standalone`` makes torchrun host its own rendezvous on this machine at a free
     port (no port to choose, none to collide). Each worker gets ``OMP_NUM_THREADS=1``
@@ -511,7 +567,7 @@ def launch(
     """
     nproc = check_positive_int("nproc", nproc)
     config = Config() if config is None else config
-    passed = {"seed", "steps", "global_batch", "optimizer", "lr"}
+    passed = {"seed", "steps", "global_batch", "micro_steps", "optimizer", "lr"}
     changed = [
         k
         for k, v in asdict(config).items()
@@ -548,6 +604,8 @@ def launch(
         str(config.steps),
         "--global-batch",
         str(config.global_batch),
+        "--micro-steps",
+        str(config.micro_steps),
         "--optimizer",
         config.optimizer,
         "--lr",
@@ -574,6 +632,7 @@ __all__ = [
     "backend_and_device",
     "build_model",
     "build_optimizer",
+    "fsdp_no_sync",
     "global_batches",
     "launch",
     "main",
