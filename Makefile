@@ -134,7 +134,7 @@ robust: $(STAMP)
 OFFSETS ?= 10
 sweep: $(STAMP)
 	@test -n "$(NB)" || { echo "make sweep needs a notebook: make sweep NB=book/09_vit.ipynb [OFFSETS=10]" >&2; exit 2; }
-	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 $(NB)
+	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 --write $(NB)
 
 # Each notebook's execution time with the normal settings, as a table (the committed notebooks are
 # not touched).

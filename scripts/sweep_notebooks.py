@@ -1,7 +1,7 @@
 """Execute a notebook under many seed offsets and report what fails and how far each printed figure moves.
 
 Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--jobs N] [--keep DIR] [--all-lines]
-                                          NOTEBOOK ...
+                                          [--write] NOTEBOOK ...
        python scripts/sweep_notebooks.py --from DIR [--offsets ...] NOTEBOOK ...   (report on kept runs)
 
 ``make robust`` runs each notebook at two seed offsets; a threshold set from those few runs is not a
@@ -29,12 +29,18 @@ The report gives, per notebook:
   by their text with the numbers taken out, and a line printed at only some offsets says at which.
   A threshold can then be set from the spread, with a margin.
 
+With ``--write`` (``make sweep`` passes it) the sweep is also kept beside the notebook, in
+``book/sweeps/<notebook>.json`` (:mod:`attnbook.sweeps`): every run's offset, kernels, whether it
+passed, and every value the notebook glued for its prose, with a fingerprint of the notebook's code.
+A notebook reads it with ``attnbook.sweeps.load_sweep`` to show the spread its thresholds rest on.
+
 Exit status 1 if any run failed, 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -50,6 +56,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import execute_notebooks  # noqa: E402
+from attnbook.sweeps import fingerprint  # noqa: E402
 
 # a number not glued to a name (layer1, x2) or to another number: -3, +0.25, 1e-3, 34%; 1,234 is two numbers
 NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?%?")
@@ -326,6 +333,44 @@ def kept_runs(path: Path, offsets: list[int], out_dir: Path) -> list[Run]:
     return runs
 
 
+def glued_values(nb) -> dict:
+    """Every value a run glued (``myst_nb.glue``): name -> the value (a number where its text is one)."""
+    values = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
+            text = output.get("data", {}).get("application/papermill.record/text/plain")
+            if name and text is not None:
+                try:
+                    values[name] = ast.literal_eval(text)
+                except (ValueError, SyntaxError):
+                    values[name] = text
+    return values
+
+
+def write_sweep(path: Path, runs: list[Run]) -> Path:
+    """Keep the sweep beside the notebook: ``book/sweeps/<notebook>.json`` (see attnbook.sweeps)."""
+    data = {
+        "notebook": path.stem,
+        "fingerprint": fingerprint(json.loads(path.read_text())),
+        "runs": [
+            {
+                "offset": run.offset,
+                "kernels": run.capability,
+                "ok": not run.failure,
+                "failure": {"cell": run.failure.get("cell"), "message": run.failure.get("message", "")}
+                if run.failure else None,
+                "glued": glued_values(run.nb) if run.nb is not None else {},
+            }
+            for run in sorted(runs, key=lambda run: run.offset)
+        ],
+    }
+    out = path.parent / "sweeps" / f"{path.stem}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
+
+
 def sweep(path: Path, offsets: list[int], jobs: int, out_dir: Path) -> list[Run]:
     with ThreadPoolExecutor(jobs) as pool:
         futures = [pool.submit(launch, path, offset, out_dir) for offset in offsets]
@@ -341,11 +386,13 @@ def sweep(path: Path, offsets: list[int], jobs: int, out_dir: Path) -> list[Run]
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--run-one"]:
         return run_one(Path(argv[1]), Path(argv[2]))
-    offsets, jobs, keep, source, all_lines, paths = list(range(10)), 2, None, None, False, []
+    offsets, jobs, keep, source, all_lines, write, paths = list(range(10)), 2, None, None, False, False, []
     while argv:
         name, argv = argv[0], argv[1:]
         if name == "--all-lines":
             all_lines = True
+        elif name == "--write":
+            write = True
         elif name in ("--offsets", "--jobs", "--keep", "--from"):
             if not argv:
                 print(f"{name} needs a value", file=sys.stderr)
@@ -388,6 +435,8 @@ def main(argv: list[str]) -> int:
                 status = 1
                 continue
             print("\n" + report(path, runs, all_lines), flush=True)
+            if write:
+                print(f"sweep kept in {write_sweep(path.resolve(), runs)}", flush=True)
             status |= any(run.failure for run in runs)
     return 1 if status else 0
 

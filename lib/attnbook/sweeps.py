@@ -1,0 +1,87 @@
+"""Sweeps: what a notebook measured under other seeds and other CPUs, kept beside it.
+
+A threshold on a trained model is only as good as the runs it was set from. The book's
+sweep script runs a notebook under ten seed offsets, on two families of CPU kernels, and
+writes ``book/sweeps/<notebook>.json``: for every run, its offset, its kernels, whether
+every assert held, and every value the notebook glued for its prose (``myst_nb.glue``),
+together with a :func:`fingerprint` of the notebook's code. A notebook that rests a
+threshold on a sweep reads it with :func:`load_sweep`, shows the spread on the page and
+asserts that its threshold lies outside it; a test fails when a sweep's fingerprint no
+longer matches its notebook (the sweep measured another program).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SWEEP_READER = "load_sweep("  # cells that read a sweep are not part of what it measured
+
+
+def fingerprint(notebook: dict) -> str:
+    """SHA-256 of the notebook's code (a parsed ``.ipynb``): every code cell's source,
+    in order, except the cells that read a sweep (they show it, they do not
+    measure)."""
+    sources = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = cell["source"]
+        source = "".join(source) if isinstance(source, list) else source
+        if SWEEP_READER not in source:
+            sources.append(source)
+    return hashlib.sha256("\n\0".join(sources).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One notebook's sweep. ``runs``: one dict per run, ``{"offset", "kernels", "ok",
+    "failure", "glued"}`` (``glued``: glue name -> value; ``failure``: the failing
+    cell and message, or None)."""
+
+    notebook: str
+    fingerprint: str
+    runs: tuple[dict, ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [run["offset"] for run in self.runs]
+
+    @property
+    def failures(self) -> list[dict]:
+        """The runs in which an assert (or anything else) failed."""
+        return [run for run in self.runs if not run["ok"]]
+
+    def values(self, name: str) -> list[float]:
+        """The glued value ``name`` of every run that reached it, in run order."""
+        found = [run["glued"][name] for run in self.runs if name in run["glued"]]
+        if not found:
+            raise KeyError(
+                f"no run of the {self.notebook} sweep glued {name!r}; glued: "
+                f"{sorted({key for run in self.runs for key in run['glued']})}"
+            )
+        return found
+
+    def spread(self, name: str) -> tuple[float, float]:
+        """``(min, max)`` of :meth:`values`."""
+        values = self.values(name)
+        return min(values), max(values)
+
+
+def load_sweep(notebook: str, folder=None) -> Sweep:
+    """The sweep of ``notebook`` (its file name without ``.ipynb``), from ``folder``
+    (default ``sweeps/`` under the working directory, which is ``book/`` when a
+    notebook runs)."""
+    path = Path("sweeps" if folder is None else folder) / f"{notebook}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no sweep of {notebook} at {path.resolve()}")
+    data = json.loads(path.read_text())
+    missing = {"notebook", "fingerprint", "runs"} - set(data)
+    if missing:
+        raise ValueError(f"{path} is not a sweep: it lacks {sorted(missing)}")
+    return Sweep(data["notebook"], data["fingerprint"], tuple(data["runs"]))
+
+
+__all__ = ["Sweep", "fingerprint", "load_sweep"]

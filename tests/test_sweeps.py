@@ -1,0 +1,58 @@
+"""Sweeps kept beside the notebooks: each one's fingerprint matches its notebook's code, and the reader
+gives what the sweep script wrote."""
+
+import json
+from pathlib import Path
+
+import pytest
+from attnbook.sweeps import Sweep, fingerprint, load_sweep
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+SWEEPS = sorted((BOOK / "sweeps").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=[path.stem for path in SWEEPS])
+def test_every_sweep_measured_the_notebook_as_it_is(path):
+    data = json.loads(path.read_text())
+    notebook = BOOK / f"{data['notebook']}.ipynb"
+    assert notebook.is_file(), f"{path.name} is the sweep of a notebook that is gone: {notebook.name}"
+    assert data["fingerprint"] == fingerprint(json.loads(notebook.read_text())), (
+        f"book/sweeps/{path.name} was measured on another version of book/{notebook.name}'s code: "
+        f"refresh it with `make sweep NB=book/{notebook.name} OFFSETS=10`"
+    )
+    assert len(data["runs"]) >= 10 and {run["kernels"] for run in data["runs"]} == {"avx2", "default"}
+
+
+def notebook(*sources, markdown="# a page"):
+    cells = [{"cell_type": "markdown", "source": markdown}]
+    cells += [{"cell_type": "code", "source": source} for source in sources]
+    return {"cells": cells}
+
+
+def test_fingerprint_is_the_code_and_only_the_code_that_measures():
+    base = fingerprint(notebook("x = 1", "print(x)"))
+    assert fingerprint(notebook("x = 1", "print(x)", markdown="other prose")) == base
+    assert fingerprint(notebook(["x = 1"], ["print(x)"])) == base  # .ipynb stores lines as lists
+    assert fingerprint(notebook("x = 1", "print(x)", "s = load_sweep('nb')")) == base  # reads, measures not
+    assert fingerprint(notebook("x = 2", "print(x)")) != base
+    assert fingerprint(notebook("print(x)", "x = 1")) != base  # order counts
+
+
+def test_load_sweep_reads_what_the_script_writes(tmp_path):
+    runs = [
+        {"offset": 0, "kernels": "default", "ok": True, "failure": None, "glued": {"share": 0.9, "text": "a"}},
+        {"offset": 1, "kernels": "avx2", "ok": False, "failure": {"cell": 3, "message": "AssertionError"},
+         "glued": {"share": 0.7}},
+    ]
+    (tmp_path / "nb.json").write_text(json.dumps({"notebook": "nb", "fingerprint": "f", "runs": runs}))
+    sweep = load_sweep("nb", tmp_path)
+    assert isinstance(sweep, Sweep) and sweep.offsets == [0, 1]
+    assert sweep.values("share") == [0.9, 0.7] and sweep.spread("share") == (0.7, 0.9)
+    assert [run["offset"] for run in sweep.failures] == [1]
+    with pytest.raises(KeyError, match="glued: \\['share', 'text'\\]"):
+        sweep.values("missing")
+    with pytest.raises(FileNotFoundError, match="no sweep of other"):
+        load_sweep("other", tmp_path)
+    (tmp_path / "bad.json").write_text(json.dumps({"notebook": "bad"}))
+    with pytest.raises(ValueError, match=r"lacks \['fingerprint', 'runs'\]"):
+        load_sweep("bad", tmp_path)
