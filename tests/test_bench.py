@@ -85,3 +85,18 @@ def test_only_rejects_an_unknown_group():
 
 def test_floor_bar_is_in_the_table():
     assert bench.BARS["generate_vs_floor"] == ("<=", 1.15)
+
+
+def test_profile_of_one_decoding_step_counts_the_same_operators_and_more_python_calls():
+    report = bench.profile_decode_step(position=32, steps=3)
+    lines = report.splitlines()
+    assert lines[0] == "one cached step at position 32, one thread" and "ratio" in lines[1]
+    counts = {}
+    for line in lines[2:]:
+        name, rest = line.split(": ", 1)
+        operators, python = (int(part.split()[0]) for part in (rest, rest.split("), ")[1]))
+        counts[name] = operators, python
+        assert "(24 addmm)" in rest  # 4 layers x 6 matrix products, in both
+    assert counts["ours"][1] > counts["floor"][1]  # the modules' Python calls
+    # the same arithmetic: within a few bookkeeping operators of each other
+    assert abs(counts["ours"][0] - counts["floor"][0]) < 0.05 * counts["floor"][0]

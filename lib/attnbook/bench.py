@@ -49,7 +49,9 @@ GROUP[,GROUP]`` measures only some figures (groups: ``attention``, ``memory``,
 training figures always run on one CPU thread (steadiest: a thread pool on a busy
 machine can stall for milliseconds on each of their many small operations). Attention,
 memory and ``mha_vs_torch`` run on :func:`attnbook.device`; generation and training on
-the CPU.
+the CPU. ``--profile`` measures nothing else: it prints where one cached decoding step's
+time goes, ours against the floor (:func:`profile_decode_step`), the profile that
+explains the generation figures.
 """
 
 from __future__ import annotations
@@ -329,35 +331,10 @@ def _floor_layers(gpt: GPT) -> list[tuple[torch.Tensor | float, ...]]:
     return layers
 
 
-@torch.no_grad()
-def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy generation with ``gpt``'s weights by the kernels alone: the floor for
-    :func:`generate`.
-
-    ``prompt (B, T0)`` -> ``(B, T0 + max_new_tokens)``, the same tokens as
-    ``generate(gpt, prompt, max_new_tokens)`` for a pre-norm GELU
-    :class:`~attnbook.models.GPT` in eval mode (dropout is not applied). One ``F.*``
-    call per operation, keys and values written in place into tensors allocated once,
-    no module calls and no checks of the tensors: what is left is the arithmetic.
-    Gradients are off, as in :func:`generate`.
-    """
-    if prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise ValueError(
-            f"prompt must be (B, T0) with T0 >= 1, got shape {tuple(prompt.shape)}"
-        )
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    B, T0 = prompt.shape
-    total = T0 + max_new_tokens
-    if total > gpt.max_len:
-        raise ValueError(
-            f"prompt of {T0} tokens + max_new_tokens={max_new_tokens} exceeds "
-            f"max_len={gpt.max_len}"
-        )
+def _floor_decoder(gpt: GPT, batch_size: int, total: int):
+    """The floor's forward pass over ``gpt``'s weights, with keys and values for
+    ``total`` positions preallocated: a function ``(ids (B, T), start) -> logits (B,
+    vocab)`` of the last position (raises for a layout it does not know)."""
     if not isinstance(gpt.final_norm, nn.LayerNorm):
         raise ValueError(
             "floor_generate knows the pre-norm GPT only (a final LayerNorm), got "
@@ -375,6 +352,7 @@ def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch
     d = embedding.shape[1]
     h = gpt.num_heads
     head_dim = d // h
+    B = batch_size
     # (B, h, total, d/h) each
     keys = [embedding.new_empty(B, h, total, head_dim) for _ in layers]
     values = [embedding.new_empty(B, h, total, head_dim) for _ in layers]
@@ -430,6 +408,39 @@ def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch
             F.layer_norm(x, (d,), final_weight, final_bias, final_eps), head
         )[:, -1]
 
+    return logits_of
+
+
+@torch.no_grad()
+def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy generation with ``gpt``'s weights by the kernels alone: the floor for
+    :func:`generate`.
+
+    ``prompt (B, T0)`` -> ``(B, T0 + max_new_tokens)``, the same tokens as
+    ``generate(gpt, prompt, max_new_tokens)`` for a pre-norm GELU
+    :class:`~attnbook.models.GPT` in eval mode (dropout is not applied). One ``F.*``
+    call per operation, keys and values written in place into tensors allocated once,
+    no module calls and no checks of the tensors: what is left is the arithmetic.
+    Gradients are off, as in :func:`generate`.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(
+            f"prompt must be (B, T0) with T0 >= 1, got shape {tuple(prompt.shape)}"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    B, T0 = prompt.shape
+    total = T0 + max_new_tokens
+    if total > gpt.max_len:
+        raise ValueError(
+            f"prompt of {T0} tokens + max_new_tokens={max_new_tokens} exceeds "
+            f"max_len={gpt.max_len}"
+        )
+    logits_of = _floor_decoder(gpt, B, total)
     tokens = prompt.new_empty(B, total)  # (B, T0 + new)
     tokens[:, :T0] = prompt
     logits = logits_of(prompt, 0)
@@ -438,6 +449,67 @@ def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch
         if end < total:
             logits = logits_of(tokens[:, end - 1 : end], end - 1)
     return tokens
+
+
+@torch.no_grad()
+def profile_decode_step(position: int = 256, steps: int = 300) -> str:
+    """Where a cached decoding step's time goes, ours against the floor's: the
+    benchmark's GPT on one CPU thread, one new token at ``position`` (the caches are
+    rolled back after each step, so every step sees the same length). Returns a report:
+    the median time of a step (``steps`` of each, interleaved), the PyTorch operators
+    each runs (``torch.profiler``, by count) and the Python function calls each makes
+    (``cProfile``)."""
+    import cProfile
+    import pstats
+    import statistics
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    gpt = GPT(**GPT_SIZES).eval()
+    prompt = _prompt(position)
+    caches = gpt.make_caches(1)
+    floor = _floor_decoder(gpt, 1, position + 1)
+    gpt.decode_step(prompt, None, caches)
+    floor(prompt, 0)
+    token = prompt[:, -1:]
+
+    def ours():
+        for cache in caches:
+            cache.truncate(position)
+        gpt.decode_step(token, None, caches)
+
+    def floors():
+        floor(token, position)
+
+    lines = [f"one cached step at position {position}, one thread"]
+    with num_threads(1):
+        times = {"ours": [], "floor": []}
+        for _ in range(steps):
+            for name, step in (("ours", ours), ("floor", floors)):
+                begin = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - begin)
+        medians = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+        lines.append(
+            f"median time: ours {medians['ours']:.0f} us, floor {medians['floor']:.0f} "
+            f"us, ratio {medians['ours'] / medians['floor']:.2f}"
+        )
+        for name, step in (("ours", ours), ("floor", floors)):
+            with profile(activities=[ProfilerActivity.CPU]) as operators:
+                step()
+            counts = {
+                event.key: event.count for event in operators.key_averages()
+            }
+            profiler = cProfile.Profile()
+            profiler.runcall(step)
+            calls = pstats.Stats(profiler).total_calls
+            lines.append(
+                f"{name}: {sum(counts.values())} PyTorch operator calls "
+                f"({counts.get('aten::addmm', 0)} addmm), {calls} Python calls"
+            )
+    return "\n".join(lines)
 
 
 def generate_vs_floor(max_new_tokens: int, repeats: int) -> float:
@@ -542,6 +614,11 @@ def main(argv=None) -> int:
         "kv_cache_speedup always uses 1",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one cached decoding step, ours against the floor, and exit",
+    )
+    parser.add_argument(
         "--only",
         default=",".join(GROUPS),
         metavar="GROUP[,GROUP]",
@@ -549,6 +626,9 @@ def main(argv=None) -> int:
         f"among {', '.join(GROUPS)} (default: all)",
     )
     args = parser.parse_args(argv)
+    if args.profile:
+        print(profile_decode_step())
+        return 0
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -653,6 +733,7 @@ __all__ = [
     "main",
     "mha_vs_torch",
     "naive_attention",
+    "profile_decode_step",
     "train_step_vs_transformers",
     "transformers_gpt2",
 ]
