@@ -341,11 +341,17 @@ def glued_values(nb) -> dict:
             name = output.get("metadata", {}).get("scrapbook", {}).get("name")
             text = output.get("data", {}).get("application/papermill.record/text/plain")
             if name and text is not None:
-                try:
-                    values[name] = ast.literal_eval(text)
-                except (ValueError, SyntaxError):
-                    values[name] = text
+                values[name] = glued_value(text)
     return values
+
+
+def glued_value(text: str):
+    """A glued value from its text: a number where it is one (NumPy's ``np.float64(1.5)`` too)."""
+    numpy_scalar = re.fullmatch(r"np\.\w+\((.*)\)", text.strip())
+    try:
+        return ast.literal_eval(numpy_scalar.group(1) if numpy_scalar else text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def write_sweep(path: Path, runs: list[Run]) -> Path:
