@@ -3,7 +3,12 @@
 A number in a Markdown cell passes when it is glued (``{glue:text}``), when an output of
 the same notebook prints it, when a code cell of the notebook writes it (a setting, a
 size, a formula's constant), or when its sentence cites the literature (``{cite:...}``).
-Integers up to 10 pass (counts and indices in words' place), and so do years. What is
+Integers up to 10 pass (counts and indices in words' place), and so do years. A number
+that is no measurement of this page (a paper's figure with its citation elsewhere in the
+paragraph, a setting of another chapter, a dataset's size, arithmetic the prose does) is
+marked in its Markdown cell's metadata, with why: ``"literal_numbers": {"4000": "the
+paper's warm-up steps"}`` (the number as written, without thousands separators). A mark
+without a reason, or one for a number the cell no longer holds, is an error too. What is
 left is a number typed by hand that a re-run can leave behind.
 
     python scripts/check_prose_numbers.py [NOTEBOOK ...]   # every notebook by default
@@ -28,7 +33,8 @@ SKIP = re.compile(
     r"\$\$.+?\$\$|\$[^$]+\$|`[^`]*`|\]\([^)]*\)|\{[a-z:]+\}`[^`]*`|\(\w[\w-]*\)=",
     re.S,
 )
-SENTENCE = re.compile(r"[^.!?]*(?:[.!?](?!\d)|$)", re.S)
+# a decimal point is no full stop
+SENTENCE = re.compile(r"(?:[^.!?]|[.!?](?=\d))*(?:[.!?](?!\d)|$)", re.S)
 
 
 def _text(source) -> str:
@@ -57,7 +63,13 @@ def unbacked(path: Path) -> list[tuple[int, str, str]]:
     for index, cell in enumerate(notebook["cells"]):
         if cell["cell_type"] != "markdown":
             continue
+        literal = cell.get("metadata", {}).get("literal_numbers", {})
         prose = SKIP.sub(" ", _text(cell["source"]))
+        for number, why in literal.items():
+            if not isinstance(why, str) or not why.strip():
+                found.append((index, number, "marked literal without a reason"))
+            elif number not in _numbers_in(prose):
+                found.append((index, number, "marked literal, not in the cell's prose"))
         for sentence in SENTENCE.findall(_text(cell["source"])):
             if "{cite:" in sentence:
                 prose = prose.replace(SKIP.sub(" ", sentence), " ")
@@ -70,7 +82,7 @@ def unbacked(path: Path) -> list[tuple[int, str, str]]:
             forms = {number, number.rstrip("0").rstrip(".") if "." in number else number}
             if percent:  # 15 % is 0.15 in code
                 forms.add(f"{value / 100:g}")
-            if forms & backed:
+            if forms & backed or number in literal:
                 continue
             start = max(0, match.start() - 60)
             context = " ".join(prose[start : match.end() + 30].split())
