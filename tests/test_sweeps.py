@@ -56,3 +56,26 @@ def test_load_sweep_reads_what_the_script_writes(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"notebook": "bad"}))
     with pytest.raises(ValueError, match=r"lacks \['fingerprint', 'runs'\]"):
         load_sweep("bad", tmp_path)
+
+
+def test_margins_are_the_worst_run_s_distance_to_each_threshold(tmp_path, capsys):
+    runs = [
+        {"offset": i, "kernels": "default", "ok": True, "failure": None, "glued": {"acc": a, "loss": b}}
+        for i, (a, b) in enumerate([(0.95, 0.30), (0.91, 0.42), (0.99, 0.25)])
+    ]
+    (tmp_path / "nb.json").write_text(json.dumps({"notebook": "nb", "fingerprint": "f", "runs": runs}))
+    sweep = load_sweep("nb", tmp_path)
+    assert sweep.margin("acc", above=0.8) == pytest.approx(0.11)  # lowest run 0.91
+    assert sweep.margin("loss", below=0.6) == pytest.approx(0.18)  # highest run 0.42
+    assert sweep.margin("acc", above=0.93) == pytest.approx(-0.02)  # one run on the wrong side
+    for bad in ({}, {"above": 1, "below": 2}):
+        with pytest.raises(ValueError, match="one threshold"):
+            sweep.margin("acc", **bad)
+    margins = sweep.thresholds(
+        [("acc", "accuracy", "above", 0.8), ("loss", "loss", "below", 0.6)], {"acc": 0.95, "loss": 0.3}
+    )
+    assert margins == pytest.approx({"acc": 0.11, "loss": 0.18})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1].split()[1:] == ["0.95", "0.91", "0.99", "above", "0.8", "+0.11"]
+    with pytest.raises(ValueError, match="side must be"):
+        sweep.thresholds([("acc", "accuracy", "over", 0.8)], {"acc": 0.95})

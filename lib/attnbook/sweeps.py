@@ -69,6 +69,36 @@ class Sweep:
         values = self.values(name)
         return min(values), max(values)
 
+    def margin(self, name: str, *, above=None, below=None) -> float:
+        """How far every run of ``name`` cleared a threshold it must stay ``above`` (the
+        lowest run minus it) or ``below`` (it minus the highest run); negative when a
+        run fell on the wrong side. Give exactly one of the two."""
+        if (above is None) == (below is None):
+            raise ValueError("give one threshold: above= or below=")
+        low, high = self.spread(name)
+        return low - above if below is None else below - high
+
+    def thresholds(self, rows, this_run: dict, width: int = 34) -> dict[str, float]:
+        """Print one line per threshold, ``rows`` of ``(name, label, "above" or "below",
+        threshold)``: this run's value (``this_run[name]``), the runs' range and the
+        margin of the worst run (:meth:`margin`). Returns ``{name: margin}``."""
+        print(
+            f"{'':{width}} {'this run':>9} {'runs: min':>9} {'max':>9}  "
+            f"{'must be':<12} {'margin':>7}"
+        )
+        margins = {}
+        for name, label, side, threshold in rows:
+            if side not in ("above", "below"):
+                raise ValueError(f"side must be 'above' or 'below', got {side!r}")
+            low, high = self.spread(name)
+            margins[name] = self.margin(name, **{side: threshold})
+            bound = f"{side} {threshold:.3g}"
+            print(
+                f"{label:{width}} {this_run[name]:>9.3g} {low:>9.3g} {high:>9.3g}  "
+                f"{bound:<12} {margins[name]:>+7.2g}"
+            )
+        return margins
+
 
 def load_sweep(notebook: str, folder=None) -> Sweep:
     """The sweep of ``notebook`` (its file name without ``.ipynb``), from ``folder``
