@@ -12,7 +12,8 @@ robust`` pairs them, so both families are covered and a margin is taken over bot
 PyTorch's own kernels and the instructions of MKL and oneDNN, which do the matrix products and
 convolutions (execute_notebooks.KERNEL_FAMILIES). Each run has ``OMP_NUM_THREADS=1``;
 ``--jobs`` (default 2) run at once. Every run is executed into a temporary folder (kept with
-``--keep DIR``): the committed notebook is never touched. ``--from DIR`` runs nothing and reports on
+``--keep DIR``): the committed notebook is never touched. Cells that read a sweep (``load_sweep(``) are not run: they
+show the last sweep, which this one replaces, and are outside its fingerprint. ``--from DIR`` runs nothing and reports on
 the runs kept in DIR (those of the offsets asked for that are there).
 
 The report gives, per notebook:
@@ -56,7 +57,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import execute_notebooks  # noqa: E402
-from attnbook.sweeps import fingerprint  # noqa: E402
+from attnbook.sweeps import SWEEP_READER, fingerprint  # noqa: E402
 
 # a number not glued to a name (layer1, x2) or to another number: -3, +0.25, 1e-3, 34%; 1,234 is two numbers
 NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?%?")
@@ -96,6 +97,8 @@ def run_one(path: Path, out: Path) -> int:
     for cell in nb.cells:  # the committed outputs must not pass for this run's where a cell raised before them
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+            if SWEEP_READER in cell.source:  # it shows the last sweep: not part of this one
+                cell.source = "pass  # reads the sweep file: not run in a sweep"
     from nbclient import NotebookClient
 
     resources = {"metadata": {"path": str(path.parent)}}  # cwd: the notebook's folder, as make execute
