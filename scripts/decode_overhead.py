@@ -30,9 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 from attnbook import blocks, caches, models, multihead
-from attnbook.bench import GPT_SIZES, _floor_decoder, _prompt
+from attnbook.bench import decode_steps
 from attnbook.measure import num_threads
-from attnbook.models import GPT
 from torch import nn
 
 POSITION = 256
@@ -82,26 +81,14 @@ NO_CHECKS = [
 @torch.no_grad()
 def step_ratio(steps: int) -> tuple[float, float]:
     """Median time of one cached step of ours and of the floor's (microseconds)."""
-    torch.manual_seed(0)
-    gpt = GPT(**GPT_SIZES).eval()
-    prompt = _prompt(POSITION)
-    layer_caches = gpt.make_caches(1)
-    floor = _floor_decoder(gpt, 1, POSITION + 1)
-    gpt.decode_step(prompt, None, layer_caches)
-    floor(prompt, 0)
-    token = prompt[:, -1:]
+    ours, floor = decode_steps(POSITION)
     ours_times, floor_times = [], []
     with num_threads(1):
         for _ in range(steps):
-            for cache in layer_caches:
-                cache.truncate(POSITION)
-            begin = time.perf_counter()
-            gpt.decode_step(token, None, layer_caches)
-            middle = time.perf_counter()
-            floor(token, POSITION)
-            end = time.perf_counter()
-            ours_times.append(middle - begin)
-            floor_times.append(end - middle)
+            for step, times in ((ours, ours_times), (floor, floor_times)):
+                begin = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - begin)
     return statistics.median(ours_times) * 1e6, statistics.median(floor_times) * 1e6
 
 

@@ -451,6 +451,32 @@ def floor_generate(gpt: GPT, prompt: torch.Tensor, max_new_tokens: int) -> torch
     return tokens
 
 
+def decode_steps(position: int = 256):
+    """Two functions that each run one cached decoding step of the benchmark's GPT at
+    ``position``, ours (``GPT.decode_step``, its caches rolled back first, so every call
+    sees the same length) and the floor's, after both have read a prompt of
+    ``position`` tokens. Call them under ``torch.no_grad()``."""
+    torch.manual_seed(0)
+    gpt = GPT(**GPT_SIZES).eval()
+    prompt = _prompt(position)
+    caches = gpt.make_caches(1)
+    floor = _floor_decoder(gpt, 1, position + 1)
+    with torch.no_grad():
+        gpt.decode_step(prompt, None, caches)
+        floor(prompt, 0)
+    token = prompt[:, -1:]
+
+    def ours():
+        for cache in caches:
+            cache.truncate(position)
+        gpt.decode_step(token, None, caches)
+
+    def floors():
+        floor(token, position)
+
+    return ours, floors
+
+
 @torch.no_grad()
 def profile_decode_step(position: int = 256, steps: int = 300) -> str:
     """Where a cached decoding step's time goes, ours against the floor's: the
@@ -466,23 +492,7 @@ def profile_decode_step(position: int = 256, steps: int = 300) -> str:
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    gpt = GPT(**GPT_SIZES).eval()
-    prompt = _prompt(position)
-    caches = gpt.make_caches(1)
-    floor = _floor_decoder(gpt, 1, position + 1)
-    gpt.decode_step(prompt, None, caches)
-    floor(prompt, 0)
-    token = prompt[:, -1:]
-
-    def ours():
-        for cache in caches:
-            cache.truncate(position)
-        gpt.decode_step(token, None, caches)
-
-    def floors():
-        floor(token, position)
-
+    ours, floors = decode_steps(position)
     lines = [f"one cached step at position {position}, one thread"]
     with num_threads(1):
         times = {"ours": [], "floor": []}
@@ -724,6 +734,7 @@ if __name__ == "__main__":
 
 __all__ = [
     "cpu_model",
+    "decode_steps",
     "efficient_attention_peak_memory",
     "efficient_attention_vs_torch",
     "floor_generate",
