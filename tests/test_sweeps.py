@@ -4,7 +4,9 @@ gives what the sweep script wrote."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from attnbook.sweeps import Sweep, fingerprint, load_sweep
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
@@ -79,3 +81,22 @@ def test_margins_are_the_worst_run_s_distance_to_each_threshold(tmp_path, capsys
     assert len(lines) == 3 and lines[1].split()[1:] == ["0.95", "0.91", "0.99", "above", "0.8", "+0.11"]
     with pytest.raises(ValueError, match="side must be"):
         sweep.thresholds([("acc", "accuracy", "over", 0.8)], {"acc": 0.95})
+    both = [("acc", "accuracy", "above", 0.8), ("acc", "accuracy", "below", 1.0)]
+    assert sweep.thresholds(both, {"acc": 0.95}) == pytest.approx({"acc": 0.01})  # 1 - 0.99
+
+
+def test_figures_keeps_and_glues_each_figure_as_a_float(capsys):
+    from attnbook.sweeps import Figures
+
+    measured = Figures()
+    assert measured.keep("gap", np.float64(0.25)) == 0.25
+    assert measured.keep("count", torch.tensor(3)) == 3.0
+    assert measured == {"gap": 0.25, "count": 3.0}
+    assert all(type(value) is float for value in measured.values())
+    capsys.readouterr()  # outside a notebook, glue's display only prints
+    for bad in (float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="finite number"):
+            measured.keep("bad", bad)
+    with pytest.raises(ValueError, match="non-empty string"):
+        measured.keep("", 1.0)
+    assert "bad" not in measured

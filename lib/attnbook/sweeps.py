@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,8 @@ class Sweep:
     def thresholds(self, rows, this_run: dict, width: int = 34) -> dict[str, float]:
         """Print one line per threshold, ``rows`` of ``(name, label, "above" or "below",
         threshold)``: this run's value (``this_run[name]``), the runs' range and the
-        margin of the worst run (:meth:`margin`). Returns ``{name: margin}``."""
+        margin of the worst run (:meth:`margin`). Returns ``{name: margin}``; a figure
+        bounded on both sides (two rows) gets the smaller of its two margins."""
         print(
             f"{'':{width}} {'this run':>9} {'runs: min':>9} {'max':>9}  "
             f"{'must be':<12} {'margin':>7}"
@@ -91,13 +93,33 @@ class Sweep:
             if side not in ("above", "below"):
                 raise ValueError(f"side must be 'above' or 'below', got {side!r}")
             low, high = self.spread(name)
-            margins[name] = self.margin(name, **{side: threshold})
+            margin = self.margin(name, **{side: threshold})
+            margins[name] = min(margin, margins.get(name, margin))  # two sides: the less
             bound = f"{side} {threshold:.3g}"
             print(
                 f"{label:{width}} {this_run[name]:>9.3g} {low:>9.3g} {high:>9.3g}  "
                 f"{bound:<12} {margins[name]:>+7.2g}"
             )
         return margins
+
+
+class Figures(dict):
+    """The figures a notebook measured, by name, for :meth:`Sweep.thresholds`: each
+    figure a threshold rests on is kept here and glued for the prose (``myst_nb.glue``),
+    so that a sweep records it too."""
+
+    def keep(self, name: str, value) -> float:
+        """Glue ``value`` (a finite number) as ``name`` and keep it as a float; returns
+        the float."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if isinstance(value, bool) or not math.isfinite(value := float(value)):
+            raise ValueError(f"{name}: a figure must be a finite number, got {value!r}")
+        from myst_nb import glue  # the book's dependency, not the library's
+
+        glue(name, value, display=False)
+        self[name] = value
+        return value
 
 
 def load_sweep(notebook: str, folder=None) -> Sweep:
@@ -114,4 +136,4 @@ def load_sweep(notebook: str, folder=None) -> Sweep:
     return Sweep(data["notebook"], data["fingerprint"], tuple(data["runs"]))
 
 
-__all__ = ["Sweep", "fingerprint", "load_sweep"]
+__all__ = ["Figures", "Sweep", "fingerprint", "load_sweep"]
