@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from attnbook import (
     LearnedPositions,
     SinusoidalPositions,
@@ -384,3 +385,26 @@ def test_positions_bad_inputs_raise(layer):
         layer(torch.randn(3, 8))
     with pytest.raises(ValueError, match="start must be a non-negative position, got -1"):
         layer(torch.randn(2, 3, 8), start=-1)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+def test_interpolate_grid_modes_are_torch_s_resize_of_the_grid(mode):
+    table = torch.randn(12, 5)  # a 3 x 4 grid of 5 features
+    corners = None if mode == "nearest" else False
+    image = table.T.reshape(1, 5, 3, 4)
+    expected = F.interpolate(image, size=(6, 8), mode=mode, align_corners=corners)
+    torch.testing.assert_close(
+        interpolate_grid(table, (3, 4), (6, 8), mode), expected.reshape(5, 48).T
+    )
+
+
+def test_interpolate_grid_nearest_at_twice_the_side_copies_each_parent_row():
+    table = torch.randn(16, 3)
+    out = interpolate_grid(table, (4, 4), (8, 8), "nearest")
+    rows, cols = torch.arange(64) // 8, torch.arange(64) % 8
+    torch.testing.assert_close(out, table[(rows // 2) * 4 + cols // 2], rtol=0, atol=0)
+
+
+def test_interpolate_grid_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        interpolate_grid(torch.randn(4, 2), (2, 2), (4, 4), "area")

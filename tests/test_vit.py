@@ -262,6 +262,10 @@ def test_resize_position_table_keeps_cls_and_interpolates_the_patches():
     torch.testing.assert_close(resized[1:], by_torch.reshape(8, 64).T)
     torch.testing.assert_close(resize_position_table(table, (4, 4), (4, 4)), table)  # same grid: unchanged
     torch.testing.assert_close(resize_position_table(table[1:], 4, 4, num_prefix=0), table[1:])
+    for mode in ("nearest", "bilinear"):  # another mode reaches the grid's interpolation
+        other = resize_position_table(table, (4, 4), (8, 8), mode=mode)
+        torch.testing.assert_close(other[0], table[0], rtol=0, atol=0)
+        torch.testing.assert_close(other[1:], interpolate_grid(table[1:], (4, 4), (8, 8), mode))
 
 
 def test_resize_position_table_rejects_bad_shapes():
@@ -295,6 +299,14 @@ def test_vit_resize_interpolates_or_starts_fresh(pool):
     assert fresh.positions.table.shape == (prefix + 32, 16)
     torch.testing.assert_close(fresh.positions.table[:prefix].detach(), old[:prefix])  # <cls> row kept
     assert fresh(torch.rand(1, 1, 56, 28)).shape == (1, 10)
+    nearest = ViT(28, 7, 10, 16, 2, 2, pool=pool)
+    old = nearest.positions.table.detach().clone()
+    nearest.resize(56, mode="nearest")
+    torch.testing.assert_close(
+        nearest.positions.table.detach(), resize_position_table(old, 4, 8, prefix, "nearest")
+    )
+    with pytest.raises(ValueError, match="mode must be one of"):
+        nearest.resize(28, mode="area")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,14 +131,21 @@ class LearnedPositions(nn.Module):
         )
 
 
+GRID_MODES = ("nearest", "bilinear", "bicubic")
+
+
 def interpolate_grid(
-    table: torch.Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]
+    table: torch.Tensor,
+    old_grid: tuple[int, int],
+    new_grid: tuple[int, int],
+    mode: str = "bicubic",
 ) -> torch.Tensor:
     """Resize a learned position table of a 2D patch grid, ``(h*w, d)`` -> ``(H*W, d)``,
-    bicubically.
+    bicubically (or ``mode="nearest"``, ``"bilinear"``).
 
     Row ``r * w + c`` holds the position of the patch in row ``r``, column ``c`` (as ViT
-    lays patches out). Used to fine-tune a ViT at a higher resolution.
+    lays patches out). Used to fine-tune a ViT at a higher resolution. Pixel centres are
+    aligned as ``F.interpolate(..., align_corners=False)`` aligns them.
     """
     h, w = old_grid
     H, W = new_grid
@@ -149,10 +156,13 @@ def interpolate_grid(
         )
     if H < 1 or W < 1:
         raise ValueError(f"new_grid must be positive, got {new_grid}")
+    if mode not in GRID_MODES:
+        raise ValueError(f"mode must be one of {GRID_MODES}, got {mode!r}")
     d = table.shape[1]
     grid = table.T.reshape(1, d, h, w)  # (1, d, h, w): the features as image channels
+    corners = None if mode == "nearest" else False  # nearest takes no align_corners
     # (1, d, H, W)
-    resized = F.interpolate(grid, size=(H, W), mode="bicubic", align_corners=False)
+    resized = F.interpolate(grid, size=(H, W), mode=mode, align_corners=corners)
     return resized.reshape(d, H * W).T  # (H*W, d)
 
 

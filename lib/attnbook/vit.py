@@ -123,14 +123,15 @@ class PatchEmbedding(nn.Module):
 
 
 def resize_position_table(
-    table: torch.Tensor, old_grid, new_grid, num_prefix: int = 1
+    table: torch.Tensor, old_grid, new_grid, num_prefix: int = 1, mode: str = "bicubic"
 ) -> torch.Tensor:
     """A ViT position table for another patch grid: ``(num_prefix + h w, d) ->
     (num_prefix + H W, d)``.
 
     The first ``num_prefix`` rows (the ``<cls>`` token's) belong to no patch and are
-    kept as they are; the patch rows are interpolated bicubically in 2D by
-    :func:`~attnbook.positions.interpolate_grid`."""
+    kept as they are; the patch rows are interpolated in 2D by
+    :func:`~attnbook.positions.interpolate_grid`, bicubically (or ``mode="nearest"``,
+    ``"bilinear"``)."""
     (h, w), (H, W) = _pair("old_grid", old_grid), _pair("new_grid", new_grid)
     num_prefix = check_non_negative_int("num_prefix", num_prefix)
     if table.dim() != 2 or table.shape[0] != num_prefix + h * w:
@@ -142,7 +143,7 @@ def resize_position_table(
     # (num_prefix, d), (h*w, d)
     prefix, patches = table[:num_prefix], table[num_prefix:]
     # (num_prefix + H*W, d)
-    return torch.cat([prefix, interpolate_grid(patches, (h, w), (H, W))])
+    return torch.cat([prefix, interpolate_grid(patches, (h, w), (H, W), mode)])
 
 
 def mean_attention_distance(
@@ -286,13 +287,15 @@ class ViT(nn.Module):
                 block.record_weights, block.weights = False, None
 
     @torch.no_grad()
-    def resize(self, image_size, positions: str = "interpolate") -> ViT:
+    def resize(
+        self, image_size, positions: str = "interpolate", mode: str = "bicubic"
+    ) -> ViT:
         """Move the model to images of ``image_size`` (same patch size, so another patch
         grid).
 
         ``positions="interpolate"``: the patch rows of the position table are
-        interpolated in 2D to the new grid (:func:`resize_position_table`; the ``<cls>``
-        row is kept). ``positions="fresh"``: new patch rows, initialised like a new
+        interpolated in 2D to the new grid (:func:`resize_position_table`, bicubically
+        or by ``mode``; the ``<cls>`` row is kept). ``positions="fresh"``: new patch rows, initialised like a new
         model's (they must be trained); ``<cls>``'s row is kept. Every other weight is
         unchanged (a ViT without positions only changes its grid). Returns ``self``.
         """
@@ -302,7 +305,7 @@ class ViT(nn.Module):
             )
         new_grid = patch_grid(image_size, self.patch_embed.patch_size)
         if self.positions is not None:
-            self._resize_table(new_grid, positions)
+            self._resize_table(new_grid, positions, mode)
         self.grid = new_grid
         self.image_size = (
             new_grid[0] * self.patch_embed.patch_size,
@@ -310,12 +313,12 @@ class ViT(nn.Module):
         )
         return self
 
-    def _resize_table(self, new_grid, positions: str) -> None:
+    def _resize_table(self, new_grid, positions: str, mode: str) -> None:
         """Replace the position table's patch rows for ``new_grid`` (see resize)."""
         table = self.positions.table  # (num_prefix + h*w, d)
         if positions == "interpolate":
             new_table = resize_position_table(
-                table, self.grid, new_grid, self.num_prefix
+                table, self.grid, new_grid, self.num_prefix, mode
             )
         else:
             fresh = (
