@@ -13,7 +13,8 @@
 #                  (JOBS=2 as for execute: the wall time of the whole book two at a time)
 #   make sweep NB=book/09_vit.ipynb [OFFSETS=10]  execute one notebook under seed offsets 0..9 (or
 #                  OFFSETS=3,7,11), kernel families alternating; reports failing asserts and the
-#                  spread of every printed figure, to set thresholds from (about 10 minutes a notebook)
+#                  spread of every printed figure, to set thresholds from (about 10 minutes a notebook);
+#                  SETTINGS=gpu: with the longer trainings a GPU gets, kept in book/sweeps/<nb>.gpu.json
 #   make gpu-settings  execute every notebook on the CPU with the longer trainings a GPU gets, into a
 #                  temporary folder; fails if any cell raises (about 13 minutes on 2 cores)
 #   make gpu-test  the tests marked gpu: every model on CUDA, float32 and float16 autocast (skipped,
@@ -130,11 +131,12 @@ robust: $(STAMP)
 # ATTNBOOK_SEED_OFFSET = 0..OFFSETS-1 (or a list, OFFSETS=3,7,11), the avx2 kernel family at odd
 # offsets and the default family at even ones, two runs at a time on one thread each, into a temporary folder;
 # it prints which asserts fail at which offset and, for every printed number, its min, max and mean
-# over the offsets. Fails if any offset fails.
+# over the offsets. Fails if any offset fails. SETTINGS=gpu runs it with the settings a GPU gets
+# (as make gpu-settings does) and keeps it apart, in book/sweeps/<nb>.gpu.json.
 OFFSETS ?= 10
 sweep: $(STAMP)
 	@test -n "$(NB)" || { echo "make sweep needs a notebook: make sweep NB=book/09_vit.ipynb [OFFSETS=10]" >&2; exit 2; }
-	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 --write $(NB)
+	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 $(if $(filter gpu,$(SETTINGS)),--gpu-settings) --write $(NB)
 
 # Each notebook's execution time with the normal settings, as a table (the committed notebooks are
 # not touched).

@@ -1,7 +1,7 @@
 """Execute a notebook under many seed offsets and report what fails and how far each printed figure moves.
 
 Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--jobs N] [--keep DIR] [--all-lines]
-                                          [--write] NOTEBOOK ...
+                                          [--gpu-settings] [--write] NOTEBOOK ...
        python scripts/sweep_notebooks.py --from DIR [--offsets ...] NOTEBOOK ...   (report on kept runs)
 
 ``make robust`` runs each notebook at two seed offsets; a threshold set from those few runs is not a
@@ -34,6 +34,11 @@ With ``--write`` (``make sweep`` passes it) the sweep is also kept beside the no
 ``book/sweeps/<notebook>.json`` (:mod:`attnbook.sweeps`): every run's offset, kernels, whether it
 passed, and every value the notebook glued for its prose, with a fingerprint of the notebook's code.
 A notebook reads it with ``attnbook.sweeps.load_sweep`` to show the spread its thresholds rest on.
+
+With ``--gpu-settings`` every run takes the settings a GPU gets (``attnbook.on_gpu()`` says True, as in
+``make gpu-settings``: the longer trainings, on the CPU), and the sweep is kept in
+``book/sweeps/<notebook>.gpu.json`` (``load_sweep("<notebook>.gpu")``), so a page can show what its
+longer trainings gave without running them.
 
 Exit status 1 if any run failed, 2 for bad arguments.
 """
@@ -124,10 +129,23 @@ class Run:
     failure: dict = field(default_factory=dict)  # cell, line, message
 
 
-def launch(path: Path, offset: int, out_dir: Path) -> Run:
+GPU_STARTUP = ROOT / "scripts" / "gpu_settings_startup.py"
+
+
+def gpu_settings_ipython(folder: Path) -> Path:
+    """An IPython folder whose startup file gives every kernel the settings a GPU gets."""
+    startup = folder / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / GPU_STARTUP.name).write_text(GPU_STARTUP.read_text())
+    return folder / "ipython"
+
+
+def launch(path: Path, offset: int, out_dir: Path, ipython_dir: Path | None = None) -> Run:
     run = Run(offset, capability(offset))
     out = out_dir / f"{path.stem}.offset{offset}.ipynb"
     env = dict(os.environ, **execute_notebooks.variant_env(offset), OMP_NUM_THREADS="1")
+    if ipython_dir is not None:
+        env["IPYTHONDIR"] = str(ipython_dir)
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
     start = time.perf_counter()
@@ -357,10 +375,12 @@ def glued_value(text: str):
         return text
 
 
-def write_sweep(path: Path, runs: list[Run]) -> Path:
-    """Keep the sweep beside the notebook: ``book/sweeps/<notebook>.json`` (see attnbook.sweeps)."""
+def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False) -> Path:
+    """Keep the sweep beside the notebook: ``book/sweeps/<notebook>.json`` (``<notebook>.gpu.json`` with the
+    settings a GPU gets; see attnbook.sweeps)."""
     data = {
         "notebook": path.stem,
+        **({"settings": "gpu"} if gpu_settings else {}),
         "fingerprint": fingerprint(json.loads(path.read_text())),
         "runs": [
             {
@@ -374,15 +394,15 @@ def write_sweep(path: Path, runs: list[Run]) -> Path:
             for run in sorted(runs, key=lambda run: run.offset)
         ],
     }
-    out = path.parent / "sweeps" / f"{path.stem}.json"
+    out = path.parent / "sweeps" / f"{path.stem}{'.gpu' if gpu_settings else ''}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     return out
 
 
-def sweep(path: Path, offsets: list[int], jobs: int, out_dir: Path) -> list[Run]:
+def sweep(path: Path, offsets: list[int], jobs: int, out_dir: Path, ipython_dir: Path | None = None) -> list[Run]:
     with ThreadPoolExecutor(jobs) as pool:
-        futures = [pool.submit(launch, path, offset, out_dir) for offset in offsets]
+        futures = [pool.submit(launch, path, offset, out_dir, ipython_dir) for offset in offsets]
         runs = []
         for future in futures:
             run = future.result()
@@ -396,12 +416,15 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--run-one"]:
         return run_one(Path(argv[1]), Path(argv[2]))
     offsets, jobs, keep, source, all_lines, write, paths = list(range(10)), 2, None, None, False, False, []
+    gpu_settings = False
     while argv:
         name, argv = argv[0], argv[1:]
         if name == "--all-lines":
             all_lines = True
         elif name == "--write":
             write = True
+        elif name == "--gpu-settings":
+            gpu_settings = True
         elif name in ("--offsets", "--jobs", "--keep", "--from"):
             if not argv:
                 print(f"{name} needs a value", file=sys.stderr)
@@ -437,15 +460,17 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="sweep-") as temporary:
         out_dir = keep or Path(temporary)
         out_dir.mkdir(parents=True, exist_ok=True)
+        ipython_dir = gpu_settings_ipython(Path(temporary)) if gpu_settings else None
         for path in paths:
-            runs = kept_runs(path, offsets, source) if source else sweep(path.resolve(), offsets, jobs, out_dir)
+            runs = (kept_runs(path, offsets, source) if source
+                    else sweep(path.resolve(), offsets, jobs, out_dir, ipython_dir))
             if not runs:
                 print(f"no kept runs of {path} in {source}", file=sys.stderr)
                 status = 1
                 continue
             print("\n" + report(path, runs, all_lines), flush=True)
             if write:
-                print(f"sweep kept in {write_sweep(path.resolve(), runs)}", flush=True)
+                print(f"sweep kept in {write_sweep(path.resolve(), runs, gpu_settings)}", flush=True)
             status |= any(run.failure for run in runs)
     return 1 if status else 0
 
