@@ -8,8 +8,8 @@ installs the packages the notebooks read (``pip install ".[book]"``), puts the c
 on ``sys.path`` and moves to its ``book/`` folder. Inside the repository the cell does nothing.
 
 Each code cell of a notebook's "## Exercises" section is a solution, folded away (tag ``hide-cell``);
-its cell metadata ``mystnb`` gives the fold the label "Show solution" instead of "Show code cell
-content".
+its cell metadata ``mystnb`` gives the fold the label "Show solution N" (N from the cell's first
+line, ``# Exercise N: ...``) instead of "Show code cell content".
 
 A code cell that draws a figure gets ``mystnb.image.alt``, the text a screen reader says in place of
 the image (without it the page gives the image's hash file name): the figure's titles and axis
@@ -98,17 +98,26 @@ def solution_cells(nb) -> list[int]:
     return out
 
 
+def solution_prompts(source: str) -> dict[str, str]:
+    """The fold's labels for a solution whose code starts ``# Exercise N``: "Show solution N" (the
+    folds stack after the exercise list, so each says which exercise it answers)."""
+    number = re.match(r"#\s*Exercise\s+(\d+)", source.lstrip())
+    suffix = f" {number.group(1)}" if number else ""
+    return {key: value + suffix for key, value in SOLUTION_PROMPTS.items()}
+
+
 def label_solutions(nb) -> bool:
-    """Fold every solution cell away under "Show solution"; return True if a cell changed."""
+    """Fold every solution cell away under "Show solution N"; return True if a cell changed."""
     changed = False
     for i in solution_cells(nb):
         metadata = nb.cells[i].metadata
         tags = metadata.setdefault("tags", [])
         options = metadata.setdefault("mystnb", {})
-        if "hide-cell" not in tags or any(options.get(k) != v for k, v in SOLUTION_PROMPTS.items()):
+        prompts = solution_prompts(nb.cells[i].source)
+        if "hide-cell" not in tags or any(options.get(k) != v for k, v in prompts.items()):
             if "hide-cell" not in tags:
                 tags.append("hide-cell")
-            options.update(SOLUTION_PROMPTS)
+            options.update(prompts)
             changed = True
     return changed
 

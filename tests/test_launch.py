@@ -131,3 +131,9 @@ def test_binder_installs_the_cpu_build_of_the_pinned_torch():
                   if line.startswith("torch=="))
     assert binder == ["--extra-index-url https://download.pytorch.org/whl/cpu", pinned + "+cpu",
                       "-r ../requirements.txt"]
+
+
+def test_each_solution_fold_names_its_exercise():
+    assert setup_cell.solution_prompts("# Exercise 3: the answer\nx = 1") == {
+        "code_prompt_show": "Show solution 3", "code_prompt_hide": "Hide solution 3"}
+    assert setup_cell.solution_prompts("x = 1") == setup_cell.SOLUTION_PROMPTS  # no number: plain

@@ -83,6 +83,13 @@ def test_margins_are_the_worst_run_s_distance_to_each_threshold(tmp_path, capsys
     assert len(lines) == 3 and lines[1].split()[1:] == ["0.95", "0.91", "0.99", "above", "0.8", "+0.11"]
     with pytest.raises(ValueError, match="side must be"):
         sweep.thresholds([("acc", "accuracy", "over", 0.8)], {"acc": 0.95})
+    runs[1]["kernels"] = "avx2"
+    (tmp_path / "nb.json").write_text(json.dumps({"notebook": "nb", "fingerprint": "f", "runs": runs}))
+    sweep = load_sweep("nb", tmp_path)
+    assert sweep.values("acc", instructions="wide") == [0.91]  # the avx2 run
+    assert sweep.values("acc", instructions="narrow") == [0.95, 0.99]
+    with pytest.raises(ValueError, match="instructions must be one of"):
+        sweep.values("acc", instructions="avx2")
     both = [("acc", "accuracy", "above", 0.8), ("acc", "accuracy", "below", 1.0)]
     assert sweep.thresholds(both, {"acc": 0.95}) == pytest.approx({"acc": 0.01})  # 1 - 0.99
 

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SWEEP_READER = "load_sweep("  # cells that read a sweep are not part of what it measured
+# a run's CPU kernels -> its family of instructions: the default kernels use the older,
+# narrower vector instructions (SSE4.2), avx2 the wider ones
+INSTRUCTIONS = {"default": "narrow", "avx2": "wide"}
 
 
 def fingerprint(notebook: dict) -> str:
@@ -55,9 +58,21 @@ class Sweep:
         """The runs in which an assert (or anything else) failed."""
         return [run for run in self.runs if not run["ok"]]
 
-    def values(self, name: str) -> list[float]:
-        """The glued value ``name`` of every run that reached it, in run order."""
-        found = [run["glued"][name] for run in self.runs if name in run["glued"]]
+    def values(self, name: str, instructions: str | None = None) -> list[float]:
+        """The glued value ``name`` of every run that reached it, in run order; with
+        ``instructions="narrow"`` or ``"wide"`` only the runs on that family of CPU
+        instructions (:data:`INSTRUCTIONS`)."""
+        if instructions is not None and instructions not in INSTRUCTIONS.values():
+            raise ValueError(
+                f"instructions must be one of {sorted(INSTRUCTIONS.values())}, got "
+                f"{instructions!r}"
+            )
+        found = [
+            run["glued"][name]
+            for run in self.runs
+            if name in run["glued"]
+            and instructions in (None, INSTRUCTIONS.get(run["kernels"]))
+        ]
         if not found:
             raise KeyError(
                 f"no run of the {self.notebook} sweep glued {name!r}; glued: "
