@@ -137,3 +137,21 @@ def test_each_solution_fold_names_its_exercise():
     assert setup_cell.solution_prompts("# Exercise 3: the answer\nx = 1") == {
         "code_prompt_show": "Show solution 3", "code_prompt_hide": "Hide solution 3"}
     assert setup_cell.solution_prompts("x = 1") == setup_cell.SOLUTION_PROMPTS  # no number: plain
+
+
+def test_key_ideas_formulas_cover_every_chapter():
+    """The Key ideas page promises every formula: its table names each chapter of Parts I and II
+    (and the follow-on notebooks it cites), except the two without a formula of their own."""
+    import re
+
+    import yaml
+
+    text = (ROOT / "book" / "key_ideas.md").read_text()
+    table = text[text.index("## Formulas") :].split("\n\n")[1]
+    cited = set(re.findall(r"\{doc\}`(\w+)`", table))
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    chapters = {entry["file"].removeprefix("book/") for part in toc["parts"]
+                if part["caption"].startswith("Part") for entry in part["chapters"]}
+    without_formula = {"06_families", "11_pitfalls"}  # the families, the pitfalls
+    assert chapters - without_formula <= cited, sorted(chapters - without_formula - cited)
+    assert cited <= {path.stem for path in (ROOT / "book").glob("*.ipynb")}
