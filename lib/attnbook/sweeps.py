@@ -109,7 +109,8 @@ class Sweep:
                 raise ValueError(f"side must be 'above' or 'below', got {side!r}")
             low, high = self.spread(name)
             margin = self.margin(name, **{side: threshold})
-            margins[name] = min(margin, margins.get(name, margin))  # two sides: the less
+            # a figure bounded on both sides: the smaller of its two margins
+            margins[name] = min(margin, margins.get(name, margin))
             bound = f"{side} {threshold:.3g}"
             print(
                 f"{label:{width}} {this_run[name]:>9.3g} {low:>9.3g} {high:>9.3g}  "

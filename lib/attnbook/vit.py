@@ -295,8 +295,9 @@ class ViT(nn.Module):
 
         ``positions="interpolate"``: the patch rows of the position table are
         interpolated in 2D to the new grid (:func:`resize_position_table`, bicubically
-        or by ``mode``; the ``<cls>`` row is kept). ``positions="fresh"``: new patch rows, initialised like a new
-        model's (they must be trained); ``<cls>``'s row is kept. Every other weight is
+        or by ``mode``; the ``<cls>`` row is kept). ``positions="fresh"``: new patch
+        rows, initialised like a new model's (they must be trained); ``<cls>``'s row is
+        kept. Every other weight is
         unchanged (a ViT without positions only changes its grid). Returns ``self``.
         """
         if positions not in ("interpolate", "fresh"):
