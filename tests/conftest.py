@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -43,3 +44,20 @@ def small_whisper(seed=0, dropout=0.0):
     torch.manual_seed(seed)
     return whisper.Whisper(n_mels=8, d_model=16, num_heads=2, num_encoder_layers=2, num_decoder_layers=2,
                            vocab_size=30, max_frames=20, max_len=12, dropout=dropout).eval()
+
+
+def chapters_with_formula() -> set[str]:
+    """The chapters of Parts I and II in _toc.yml (notebook names), less the two without a
+    formula of their own (the families, the pitfalls): the Key ideas page's formulas table names
+    each."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    toc = yaml.safe_load((root / "_toc.yml").read_text())
+    chapters = set()
+    for part in toc["parts"]:
+        for entry in part["chapters"] if part["caption"].startswith("Part") else []:
+            # a chapter of several notebooks: an overview page, then its first notebook
+            first = entry["sections"][0] if entry["file"].endswith("_overview") else entry
+            chapters.add(first["file"].removeprefix("book/"))
+    return chapters - {"06_families", "11_pitfalls"}

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import chapters_with_formula
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,14 +145,9 @@ def test_key_ideas_formulas_cover_every_chapter():
     (and the follow-on notebooks it cites), except the two without a formula of their own."""
     import re
 
-    import yaml
-
     text = (ROOT / "book" / "key_ideas.md").read_text()
     table = text[text.index("## Formulas") :].split("\n\n")[1]
     cited = set(re.findall(r"\{doc\}`(\w+)`", table))
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    chapters = {entry["file"].removeprefix("book/") for part in toc["parts"]
-                if part["caption"].startswith("Part") for entry in part["chapters"]}
-    without_formula = {"06_families", "11_pitfalls"}  # the families, the pitfalls
-    assert chapters - without_formula <= cited, sorted(chapters - without_formula - cited)
+    missing = chapters_with_formula() - cited
+    assert not missing, sorted(missing)
     assert cited <= {path.stem for path in (ROOT / "book").glob("*.ipynb")}

@@ -14,6 +14,11 @@ network cut off, and dumps the DOM after the page's scripts (MathJax) have run. 
 - every internal link resolves: the target file exists and the ``#fragment`` is an id in it;
 - nothing comes from the network: every ``<script src>``, ``<link href>`` and ``<img src>`` is
   local (and exists), and Chromium's network log shows no request made by the page.
+- the layout a reader meets (pages at 1,280 px): every figure is shown wide enough that its
+  10-pt text stays readable; library listings keep their lines (they scroll sideways, as code
+  cells do) while printed output wraps; on a phone (09_vit at Chromium's narrowest window) the
+  same holds; from 1,500 px the in-page contents are back beside the column; the Key ideas page's
+  formulas table links every chapter of Parts I and II that has a formula.
 
 The test fails (it does not skip) when the site is not built or Chromium is missing; set
 ``ATTNBOOK_SKIP_SITE=1`` to skip it on purpose. The checker functions are tested at the bottom of
@@ -38,6 +43,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from conftest import chapters_with_formula
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("ATTNBOOK_SITE", ROOT / "_build" / "html"))
@@ -327,6 +333,63 @@ def network_requests(netlog: dict) -> list[str]:
     return urls
 
 
+# What a reader sees laid out, from the probe's ``data-layout`` (see PROBE_BODY).
+# Matplotlib draws the book's figures at 100 dpi, so their 10-pt text is 10 / 72 * 100 = 13.9 px tall
+# at full size; shown narrower than drawn, it shrinks in proportion. Under 9 px it is hard to read.
+FIGURE_TEXT_PX = 10 / 72 * 100
+MIN_TEXT_PX = 9.0
+
+
+def layout_of(rendered_html: str) -> dict:
+    """The layout the probe recorded on a rendered page: ``{"viewport", "figures": [{"src",
+    "natural", "shown"}], "blocks": [{"listing", "whiteSpace", "scrolls"}], "contents"}`` (the
+    number of links in the in-page contents bar, 0 when it is hidden)."""
+    html_el = (parse_html(rendered_html).find_all("html") or [Element("html", {})])[0]
+    if "data-layout" not in html_el.attrs:
+        raise ValueError("the page carries no layout probe (data-layout)")
+    return json.loads(html_el.attrs["data-layout"])
+
+
+def figure_problems(layout: dict) -> list[str]:
+    """Figures shown so much narrower than they were drawn that their 10-pt text falls under
+    MIN_TEXT_PX."""
+    problems = []
+    for figure in layout["figures"]:
+        natural, shown = figure["natural"], figure["shown"]
+        if natural <= 0:
+            continue  # not loaded: image_problems reports it
+        text_px = FIGURE_TEXT_PX * min(1.0, shown / natural)
+        if text_px < MIN_TEXT_PX:
+            problems.append(
+                f"figure {figure['src'][-50:]} drawn {natural} px wide is shown at {shown:.0f} px: its "
+                f"10-pt text is {text_px:.1f} px tall (at least {MIN_TEXT_PX:g}); draw it narrower"
+            )
+    return problems
+
+
+def wrap_problems(layout: dict) -> list[str]:
+    """A library listing (a code block in a cell's output) keeps its lines and scrolls sideways, as a
+    code cell does; printed output wraps at the column."""
+    problems = []
+    for block in layout["blocks"]:
+        if block["listing"] and block["whiteSpace"] != "pre":
+            problems.append(f"a listing wraps its lines (white-space: {block['whiteSpace']})")
+        elif not block["listing"] and block["whiteSpace"] != "pre-wrap":
+            problems.append(f"printed output does not wrap (white-space: {block['whiteSpace']})")
+    return problems
+
+
+def formula_table_problems(key_ideas_html: str, chapters: set[str]) -> list[str]:
+    """The chapters (page names, no extension) that the Key ideas page's formulas table does not
+    link."""
+    start = key_ideas_html.find('id="formulas"')
+    if start < 0:
+        return ["the Key ideas page has no Formulas section"]
+    end = key_ideas_html.find("</table>", start)
+    linked = set(re.findall(r'href="(\w+)\.html[#"]', key_ideas_html[start:end]))
+    return [f"the formulas table does not link {name}" for name in sorted(chapters - linked)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading the pages in Chromium
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +415,22 @@ PROBE_BODY = """<script>window.addEventListener("load", function () {
   document.querySelectorAll("img").forEach(function (img) {
     img.setAttribute("data-natural-width", img.complete ? img.naturalWidth : 0);
   });
+  var figures = [], blocks = [];  // the layout, for the checks of what a reader sees
+  document.querySelectorAll("article img").forEach(function (img) {
+    figures.push({src: img.getAttribute("src"), natural: img.naturalWidth,
+                  shown: img.getBoundingClientRect().width});
+  });
+  document.querySelectorAll("div.cell_output pre").forEach(function (pre) {
+    blocks.push({listing: !pre.closest(".output"), whiteSpace: getComputedStyle(pre).whiteSpace,
+                 scrolls: pre.scrollWidth > pre.clientWidth + 1});
+  });
+  var bar = document.querySelector(".bd-sidebar-secondary");
+  var shown = bar && getComputedStyle(bar).display !== "none" && bar.getBoundingClientRect().width > 0;
+  document.documentElement.setAttribute("data-layout", JSON.stringify({
+    viewport: window.innerWidth, figures: figures, blocks: blocks,
+    contents: shown ? bar.querySelectorAll("nav.page-toc a").length : 0}));
 });</script>"""
+WINDOW = (1280, 1000)  # the window every page is loaded in: a laptop's screen, in CSS pixels
 
 
 def find_chromium() -> str | None:
@@ -417,8 +495,11 @@ class Rendered:
     error: str = ""
 
 
-def render(chromium: str, page_file: Path, workdir: Path) -> Rendered:
-    """Load one page in headless Chromium, network cut off; return its DOM and network requests."""
+def render(
+    chromium: str, page_file: Path, workdir: Path, window: tuple[int, int] = WINDOW, query: str = ""
+) -> Rendered:
+    """Load one page in headless Chromium (a ``window`` of width, height CSS pixels; ``query``
+    appended to its URL), network cut off; return its DOM and network requests."""
     profile = Path(tempfile.mkdtemp(prefix="profile-", dir=workdir))
     netlog = profile.with_suffix(".netlog.json")
     command = [
@@ -436,9 +517,10 @@ def render(chromium: str, page_file: Path, workdir: Path) -> Rendered:
         "--host-resolver-rules=MAP * ~NOTFOUND",  # no name resolves: the page must need no network
         f"--log-net-log={netlog}",
         f"--user-data-dir={profile}",
+        f"--window-size={window[0]},{window[1]}",
         "--virtual-time-budget=5000",
         "--dump-dom",
-        page_file.as_uri(),
+        page_file.as_uri() + query,
     ]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=PAGE_TIMEOUT_S)
@@ -633,6 +715,82 @@ def test_no_network(rendered, page):
     assert not problems, _report(page, problems)
 
 
+@skip_site
+@pytest.mark.parametrize("page", PAGES or ["<no built site>"])
+def test_figures_readable_and_listings_unwrapped(rendered, page):
+    """At 1,280 px: figure text at least MIN_TEXT_PX tall, listings unwrapped, output wrapped."""
+    path, html, result = _page(rendered, page)
+    if result is None:  # a redirect page
+        return
+    layout = layout_of(result.dom)
+    assert layout["viewport"] == WINDOW[0], layout["viewport"]
+    problems = figure_problems(layout) + wrap_problems(layout)
+    assert not problems, _report(page, problems)
+
+
+LAYOUT_PAGES = ["book/09_vit.html", "book/14_decoding.html", "book/16_induction_heads.html"]
+
+
+@pytest.fixture(scope="module")
+def layouts() -> dict[tuple[str, int], dict]:
+    """The three longest pages loaded on a phone (Chromium's narrowest window, 500 px, for 390) and
+    on a wide screen (1,600 px): (page, width) -> layout."""
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.fail("Chromium not found (apt-get install chromium, or set ATTNBOOK_CHROMIUM)")
+    if not PAGES:
+        pytest.fail(f"no built site at {SITE}: run `make book` first")
+    found = {}
+    with tempfile.TemporaryDirectory(prefix="attnbook-layout-") as tmp:
+        mirror = Path(tmp) / "site"
+        mirror_with_probes(SITE, mirror, LAYOUT_PAGES)
+        for page in LAYOUT_PAGES:
+            for width in (390, 1600):
+                result = render(chromium, mirror / page, Path(tmp), window=(width, 1000))
+                assert not result.error, f"{page} at {width} px: {result.error}"
+                found[page, width] = layout_of(result.dom)
+    return found
+
+
+@skip_site
+@pytest.mark.parametrize("page", LAYOUT_PAGES)
+def test_layout_on_a_phone_and_a_wide_screen(layouts, page):
+    phone, wide = layouts[page, 390], layouts[page, 1600]
+    assert phone["viewport"] <= 500, phone["viewport"]
+    problems = wrap_problems(phone)
+    listings = [block for block in phone["blocks"] if block["listing"]]
+    if page == "book/09_vit.html" and not any(block["scrolls"] for block in listings):
+        problems.append("no listing scrolls sideways on a phone: are its lines wrapped?")
+    # from 1,500 px the in-page contents are back: a link for each section of the page at least
+    sections = len(re.findall(r'<h2><span class="section-number">', (SITE / page).read_text(encoding="utf-8")))
+    if wide["contents"] < sections:
+        problems.append(f"in-page contents at 1,600 px: {wide['contents']} links for {sections} sections")
+    assert not problems, _report(page, problems)
+
+
+@skip_site
+def test_key_ideas_formulas_link_every_chapter():
+    html = (SITE / "book" / "key_ideas.html").read_text(encoding="utf-8")
+    problems = formula_table_problems(html, chapters_with_formula())
+    assert not problems, "\n".join(problems)
+
+
+@skip_site
+def test_search_lists_each_page_once():
+    """"induction" matches a glossary term and the glossary's text, and a chapter's title and
+    text: each page is listed once (_static/search-once.js)."""
+    chromium = find_chromium()
+    assert chromium, "Chromium not found (apt-get install chromium, or set ATTNBOOK_CHROMIUM)"
+    with tempfile.TemporaryDirectory(prefix="attnbook-search-") as tmp:
+        result = render(chromium, SITE / "search.html", Path(tmp), query="?q=induction")
+    assert not result.error, result.error
+    results = parse_html(result.dom).find_all("ul", cls="search")
+    assert results, "no search results on the page"
+    pages = [a.attrs["href"].split("#")[0] for li in results[0].find_all("li") for a in li.find_all("a")[:1]]
+    assert {"book/glossary.html", "book/16_induction_heads.html"} <= set(pages), pages
+    assert len(pages) == len(set(pages)), pages
+
+
 # ---------------------------------------------------------------------------------------------
 # The checkers catch what they are meant to catch (crafted HTML; no browser needed)
 # ---------------------------------------------------------------------------------------------
@@ -772,3 +930,37 @@ def test_author_year_label_keeps_the_von_part():
     two = Entry("misc", fields={"year": "2014"}, persons={"author": [Person("Graves, Alex"),
                                                                    Person("Jaitly, Navdeep")]})
     assert labels.author_year_label(two) == "Graves and Jaitly, 2014"
+
+
+def _layout_page(layout: dict) -> str:
+    return f"<html data-layout='{json.dumps(layout)}'><body></body></html>"
+
+
+def test_layout_checkers():
+    layout = {
+        "viewport": 1280,
+        "figures": [{"src": "a.png", "natural": 900, "shown": 896}],
+        "blocks": [{"listing": True, "whiteSpace": "pre", "scrolls": True},
+                   {"listing": False, "whiteSpace": "pre-wrap", "scrolls": False}],
+        "contents": 0,
+    }
+    assert layout_of(_layout_page(layout)) == layout
+    assert figure_problems(layout) == [] and wrap_problems(layout) == []
+    # a 16-inch figure in an 896-px column: 13.9 px text shown at 7.7 px
+    wide = {**layout, "figures": [{"src": "b.png", "natural": 1607, "shown": 896}]}
+    assert len(figure_problems(wide)) == 1 and "7.7 px" in figure_problems(wide)[0]
+    assert figure_problems({**layout, "figures": [{"src": "c.png", "natural": 0, "shown": 0}]}) == []
+    flipped = [{**block, "whiteSpace": "pre-wrap" if block["listing"] else "pre"}
+               for block in layout["blocks"]]
+    assert len(wrap_problems({**layout, "blocks": flipped})) == 2
+    with pytest.raises(ValueError, match="no layout probe"):
+        layout_of("<html><body></body></html>")
+
+
+def test_formula_table_checker():
+    page = ('<section id="formulas"><table><tr><td><a href="01_attention.html#x">1</a></td></tr>'
+            '<tr><td><a href="02_masking.html">2</a></td></tr></table></section>'
+            '<p><a href="03_multihead.html">after the table</a></p>')
+    assert formula_table_problems(page, {"01_attention", "02_masking"}) == []
+    assert formula_table_problems(page, {"03_multihead"}) == ["the formulas table does not link 03_multihead"]
+    assert formula_table_problems("<p>none</p>", set()) == ["the Key ideas page has no Formulas section"]
