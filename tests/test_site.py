@@ -543,14 +543,20 @@ PAGES = list_pages()
 skip_site = pytest.mark.skipif(SKIP, reason="ATTNBOOK_SKIP_SITE is set")
 
 
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, Rendered]:
-    """Every page loaded once in Chromium, two at a time."""
+def chromium_for_the_site() -> str:
+    """Chromium's path; fails the test (it does not skip) when Chromium or the built site is missing."""
     chromium = find_chromium()
     if chromium is None:
         pytest.fail("Chromium not found (apt-get install chromium, or set ATTNBOOK_CHROMIUM)")
     if not PAGES:
         pytest.fail(f"no built site at {SITE}: run `make book` first")
+    return chromium
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Rendered]:
+    """Every page loaded once in Chromium, two at a time."""
+    chromium = chromium_for_the_site()
     with tempfile.TemporaryDirectory(prefix="attnbook-site-") as tmp:
         mirror = Path(tmp) / "site"
         mirror_with_probes(SITE, mirror, PAGES)
@@ -735,11 +741,7 @@ LAYOUT_PAGES = ["book/09_vit.html", "book/14_decoding.html", "book/16_induction_
 def layouts() -> dict[tuple[str, int], dict]:
     """The three longest pages loaded on a phone (Chromium's narrowest window, 500 px, for 390) and
     on a wide screen (1,600 px): (page, width) -> layout."""
-    chromium = find_chromium()
-    if chromium is None:
-        pytest.fail("Chromium not found (apt-get install chromium, or set ATTNBOOK_CHROMIUM)")
-    if not PAGES:
-        pytest.fail(f"no built site at {SITE}: run `make book` first")
+    chromium = chromium_for_the_site()
     found = {}
     with tempfile.TemporaryDirectory(prefix="attnbook-layout-") as tmp:
         mirror = Path(tmp) / "site"
@@ -779,8 +781,7 @@ def test_key_ideas_formulas_link_every_chapter():
 def test_search_lists_each_page_once():
     """"induction" matches a glossary term and the glossary's text, and a chapter's title and
     text: each page is listed once (_static/search-once.js)."""
-    chromium = find_chromium()
-    assert chromium, "Chromium not found (apt-get install chromium, or set ATTNBOOK_CHROMIUM)"
+    chromium = chromium_for_the_site()
     with tempfile.TemporaryDirectory(prefix="attnbook-search-") as tmp:
         result = render(chromium, SITE / "search.html", Path(tmp), query="?q=induction")
     assert not result.error, result.error
