@@ -3,10 +3,11 @@ time) and peak memory.
 
 :func:`measure` / :func:`measure_interleaved` time functions, :func:`fit_power_law` fits
 ``t = c x^a`` on log-log axes, :func:`num_threads` fixes PyTorch's CPU threads for a
-block, :func:`synchronize` waits for queued GPU work, and :func:`peak_memory` measures
-the peak memory a function allocates (CUDA's allocator, or a
-:class:`TensorMemoryTracker` elsewhere). The chapters and ``python -m attnbook.bench``
-use them; :mod:`attnbook.cost` holds the formulas they are compared with.
+block, :func:`synchronize` waits for queued GPU work, :func:`peak_memory` measures the
+peak memory a function allocates (CUDA's allocator, or a :class:`TensorMemoryTracker`
+elsewhere), and :func:`flop_counter` counts the FLOPs that run. The chapters and
+``python -m attnbook.bench`` use them; :mod:`attnbook.cost` holds the formulas they are
+compared with.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 
 from .utils import check_non_negative_int, check_positive_int
 
@@ -233,11 +235,52 @@ def peak_memory(
     return tracker.peak
 
 
+# --------------------------------------------------------------------------- FLOPs
+
+
+def _fused_attention_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    """``Q K^T`` and ``A V`` of fused attention, q ``(B, h, Tq, d)``, k ``(B, h, Tk,
+    d)``, v ``(B, h, Tk, dv)``: ``2 B h Tq Tk (d + dv)``."""
+    *batch, n_q, d = query_shape
+    n_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * int(np.prod(batch)) * n_q * n_k * (d + d_v)
+
+
+def _fused_attention_backward_flops(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs
+) -> int:
+    """Its backward: the scores again, then the gradients of the weights, ``V``, ``Q``
+    and ``K``: ``2 B h Tq Tk (3 d + 2 dv)``, PyTorch's own count for its GPU kernels."""
+    *batch, n_q, d = query_shape
+    n_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * int(np.prod(batch)) * n_q * n_k * (3 * d + 2 * d_v)
+
+
+def flop_counter() -> FlopCounterMode:
+    """PyTorch's ``FlopCounterMode`` (quiet) that also counts fused attention on a CPU.
+
+    PyTorch's table has formulas for its GPU attention kernels but not for the one
+    ``F.scaled_dot_product_attention`` runs on a CPU, which it then counts as 0 FLOPs
+    (forward and backward): a ViT's or a GPT's attention would vanish from the count.
+    ``with flop_counter() as counter: ...``, then ``counter.get_total_flops()``."""
+    aten = torch.ops.aten
+    return FlopCounterMode(
+        display=False,
+        custom_mapping={
+            aten._scaled_dot_product_flash_attention_for_cpu: _fused_attention_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+                _fused_attention_backward_flops
+            ),
+        },
+    )
+
+
 __all__ = [
     "CLOCKS",
     "SUMMARIES",
     "TensorMemoryTracker",
     "fit_power_law",
+    "flop_counter",
     "measure",
     "measure_interleaved",
     "num_threads",
