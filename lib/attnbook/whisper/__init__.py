@@ -32,11 +32,20 @@ d)``; token ids ``(B, T)``; logits ``(B, T, vocab)``. The log-mel is float32; a 
 another dtype (``model.to(torch.bfloat16)``) casts it where it enters the encoder.
 
 One module per idea: :mod:`.model` (the network), :mod:`.transcribe` (audio to text and
-scores), :mod:`.timing` (word timing from the cross-attention) and :mod:`.weights` (the
-CTranslate2 reader and the loader); every public name is importable from here.
+scores), :mod:`.timing` (word timing from the cross-attention), :mod:`.safeguards`
+(timestamp tokens, the no-speech probability and the temperature fallback) and
+:mod:`.weights` (the CTranslate2 reader and the loader); every public name is importable
+from here.
 """
 
 from .model import AudioEncoder, Whisper, whisper_sinusoids
+from .safeguards import (
+    Decoding,
+    apply_timestamp_rules,
+    compression_ratio,
+    needs_fallback,
+    split_segments,
+)
 from .timing import (
     decode_alignment_heads,
     dtw,
@@ -47,8 +56,10 @@ from .timing import (
 from .transcribe import SECONDS_PER_POSITION, Transcriber
 from .weights import (
     WHISPER_EN_END,
+    WHISPER_EN_NO_SPEECH,
     WHISPER_EN_NO_TIMESTAMPS,
     WHISPER_EN_START,
+    WHISPER_EN_TIMESTAMP_BEGIN,
     WHISPER_TINY_EN_ALIGNMENT_HEADS,
     load_whisper_tiny_en,
     load_whisper_weights,
@@ -60,13 +71,18 @@ from .weights import (
 
 __all__ = [
     "AudioEncoder",
+    "Decoding",
     "SECONDS_PER_POSITION",
     "Transcriber",
     "WHISPER_EN_END",
+    "WHISPER_EN_NO_SPEECH",
     "WHISPER_EN_NO_TIMESTAMPS",
     "WHISPER_EN_START",
+    "WHISPER_EN_TIMESTAMP_BEGIN",
     "WHISPER_TINY_EN_ALIGNMENT_HEADS",
     "Whisper",
+    "apply_timestamp_rules",
+    "compression_ratio",
     "decode_alignment_heads",
     "dtw",
     "group_words",
@@ -74,7 +90,9 @@ __all__ = [
     "load_whisper_tiny_en",
     "load_whisper_weights",
     "median_filter",
+    "needs_fallback",
     "read_ctranslate2",
+    "split_segments",
     "whisper_dir",
     "whisper_key_bias_slices",
     "whisper_sinusoids",

@@ -15,9 +15,18 @@ from ..audio import (
     log_mel_spectrogram,
     pad_or_trim,
 )
-from ..generation import beam_search, generate  # the decoding loops
+from ..generation import beam_search, generate, next_token  # the decoding loops
 from ..utils import check_positive_int, eval_mode
 from .model import Whisper
+from .safeguards import (
+    COMPRESSION_RATIO_THRESHOLD,
+    FALLBACK_TEMPERATURES,
+    LOGPROB_THRESHOLD,
+    NO_SPEECH_THRESHOLD,
+    Decoding,
+    apply_timestamp_rules,
+    needs_fallback,
+)
 from .timing import dtw, group_words, is_punctuation, median_filter
 
 # 0.02 s: one encoder position, two mel frames
@@ -35,6 +44,9 @@ class Transcriber:
     ``alignment_heads`` lists the ``(layer, head)`` pairs of cross-attention that
     :meth:`word_timestamps` reads; ``None`` takes every head of the last half of the
     decoder's layers, as Whisper does for a model without published alignment heads.
+    ``timestamp_begin`` (the id of ``<|0.00|>``), ``no_timestamps_token`` and
+    ``no_speech_token`` (``<|nocaptions|>``) let :meth:`decode` write timestamps and
+    measure the no-speech probability.
     """
 
     def __init__(
@@ -49,8 +61,14 @@ class Transcriber:
         suppress_at_start=(),
         max_new_tokens: int = 224,
         alignment_heads=None,
+        timestamp_begin: int | None = None,
+        no_timestamps_token: int | None = None,
+        no_speech_token: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
+        self.timestamp_begin = timestamp_begin
+        self.no_timestamps_token = no_timestamps_token
+        self.no_speech_token = no_speech_token
         self.start_token, self.end_token = start_token, end_token
         self.prompt = [start_token, *task_tokens]
         self.suppress, self.suppress_at_start = list(suppress), list(suppress_at_start)
@@ -145,6 +163,123 @@ class Transcriber:
         return self.tokenizer.decode(
             self.transcribe_tokens(audio, sample_rate, beam_size=beam_size)
         ).strip()
+
+    def decode(
+        self,
+        audio: torch.Tensor,
+        sample_rate: int = SAMPLE_RATE,
+        *,
+        timestamps: bool = False,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Decoding:
+        """One decoding of ``audio (N,)`` as Whisper's ``DecodingTask`` makes it, with
+        the figures its fallback reads (:class:`~attnbook.whisper.safeguards.Decoding`).
+
+        Greedy at ``temperature=0``, else sampled from ``softmax(logits /
+        temperature)`` with ``generator``. With ``timestamps=True`` the prompt drops
+        ``<|notimestamps|>``, timestamp tokens may be chosen, and
+        :func:`~attnbook.whisper.safeguards.apply_timestamp_rules` constrains them. The
+        no-speech probability is read from the logits at ``<|startoftranscript|>``
+        before any suppression. Without timestamps, greedy decoding gives the tokens of
+        :meth:`transcribe_tokens`."""
+        if timestamps and (
+            self.timestamp_begin is None or self.no_timestamps_token is None
+        ):
+            raise ValueError(
+                "this transcriber has no timestamp tokens: pass timestamp_begin= and "
+                "no_timestamps_token= when building it"
+            )
+        prompt = (
+            [t for t in self.prompt if t != self.no_timestamps_token]
+            if timestamps
+            else self.prompt
+        )
+        suppress = self.suppress
+        if timestamps:  # the timestamps are allowed, the rules take over
+            suppress = [t for t in suppress if t < self.timestamp_begin]
+        mel = self.log_mel(audio, sample_rate)[None]  # (1, n_mels, 3000)
+        max_new_tokens = min(self.max_new_tokens, self.model.max_len - len(prompt))
+        tokens, total = [], 0.0
+        with eval_mode(self.model):
+            context = self.model.decoding_context(1, mel=mel)  # (1, S, d)
+            caches = self.model.decoding_caches(1, context)
+            prompt_ids = torch.tensor([prompt], device=self.device)  # (1, T0)
+            logits = self.model.decode_step(prompt_ids, context, caches)[0].float()
+            no_speech_prob = float("nan")
+            if self.no_speech_token is not None:  # at <|startoftranscript|>
+                start = prompt.index(self.start_token)
+                no_speech_prob = float(logits[start].softmax(-1)[self.no_speech_token])
+            logits = logits[-1]  # (vocab,): the next token's
+            for step in range(max_new_tokens):
+                logits[suppress] = float("-inf")
+                if step == 0 and self.suppress_at_start:
+                    logits[self.suppress_at_start] = float("-inf")
+                if timestamps:
+                    apply_timestamp_rules(
+                        logits,
+                        tokens,
+                        timestamp_begin=self.timestamp_begin,
+                        end_token=self.end_token,
+                        no_timestamps=self.no_timestamps_token,
+                    )
+                new = int(next_token(logits[None], temperature, generator)[0])
+                total += float(torch.log_softmax(logits, dim=-1)[new])
+                if new == self.end_token:
+                    break
+                tokens.append(new)
+                step_ids = torch.tensor([[new]], device=self.device)  # (1, 1)
+                logits = self.model.decode_step(step_ids, context, caches)[
+                    0, -1
+                ].float()
+        text_tokens = [
+            t
+            for t in tokens
+            if self.timestamp_begin is None or t < self.timestamp_begin
+        ]
+        return Decoding(
+            tokens,
+            self.tokenizer.decode(text_tokens).strip(),
+            total,
+            no_speech_prob,
+            float(temperature),
+        )
+
+    def decode_with_fallback(
+        self,
+        audio: torch.Tensor,
+        sample_rate: int = SAMPLE_RATE,
+        *,
+        temperatures=FALLBACK_TEMPERATURES,
+        compression_ratio_threshold: float | None = COMPRESSION_RATIO_THRESHOLD,
+        logprob_threshold: float | None = LOGPROB_THRESHOLD,
+        no_speech_threshold: float | None = NO_SPEECH_THRESHOLD,
+        generator: torch.Generator | None = None,
+        timestamps: bool = False,
+    ) -> list[Decoding]:
+        """Whisper's ``decode_with_fallback``: decode at each temperature in turn until
+        :func:`~attnbook.whisper.safeguards.needs_fallback` says the result will do.
+        Returns every attempt, the one kept last (one sample per temperature, as
+        Whisper's ``transcribe`` takes without ``best_of``)."""
+        attempts = []
+        for temperature in temperatures:
+            attempts.append(
+                self.decode(
+                    audio,
+                    sample_rate,
+                    timestamps=timestamps,
+                    temperature=temperature,
+                    generator=generator,
+                )
+            )
+            if not needs_fallback(
+                attempts[-1],
+                compression_ratio_threshold=compression_ratio_threshold,
+                logprob_threshold=logprob_threshold,
+                no_speech_threshold=no_speech_threshold,
+            ):
+                break
+        return attempts
 
     def _sequence(self, tokens) -> torch.Tensor:
         """``prompt + tokens + [end_token]`` as a ``(1, T)`` tensor, after checking

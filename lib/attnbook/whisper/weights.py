@@ -26,7 +26,9 @@ WHISPER_FILES = ("model.bin", "tokenizer.json", "config.json")
 # and do not apply here.)
 WHISPER_EN_END = 50256  # <|endoftext|>
 WHISPER_EN_START = 50257  # <|startoftranscript|>
+WHISPER_EN_NO_SPEECH = 50361  # <|nocaptions|> (Whisper's tokenizer: no_speech)
 WHISPER_EN_NO_TIMESTAMPS = 50362  # <|notimestamps|>
+WHISPER_EN_TIMESTAMP_BEGIN = 50363  # <|0.00|>, then one id per 0.02 s up to <|30.00|>
 # The cross-attention heads whose weights follow the speech, as published for tiny.en in
 # openai/whisper's whisper/__init__.py (_ALIGNMENT_HEADS["tiny.en"]): a (4 layers, 6
 # heads) boolean array, gzip-compressed and base85-encoded. Decoded by
@@ -418,6 +420,9 @@ def load_whisper_tiny_en(
         alignment_heads=decode_alignment_heads(
             WHISPER_TINY_EN_ALIGNMENT_HEADS, num_decoder_layers, num_heads
         ),
+        timestamp_begin=WHISPER_EN_TIMESTAMP_BEGIN,
+        no_timestamps_token=WHISPER_EN_NO_TIMESTAMPS,
+        no_speech_token=WHISPER_EN_NO_SPEECH,
     )
 
 
