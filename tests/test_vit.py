@@ -2,6 +2,8 @@
 a larger grid, the CNN baseline, and a ViT trained on a tiny task (the MNIST sample and its split are
 tested in test_data.py, the classifier loop in test_train.py)."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -307,6 +309,37 @@ def test_vit_resize_interpolates_or_starts_fresh(pool):
     )
     with pytest.raises(ValueError, match="mode must be one of"):
         nearest.resize(28, mode="area")
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_vit_resize_controls_shuffle_or_redraw_the_interpolated_rows(pool):
+    torch.manual_seed(5)
+    model = ViT(28, 7, 10, 16, 2, 2, pool=pool)
+    prefix, old = model.num_prefix, model.positions.table.detach().clone()
+    interpolated = resize_position_table(old, (4, 4), (8, 8), prefix)[prefix:]  # (64, 16)
+    tables = {}
+    for positions in ("fresh", "shuffled", "random"):
+        first = copy.deepcopy(model).resize(56, positions, generator=torch.Generator().manual_seed(1))
+        again = copy.deepcopy(model).resize(56, positions, generator=torch.Generator().manual_seed(1))
+        other = copy.deepcopy(model).resize(56, positions, generator=torch.Generator().manual_seed(2))
+        table = first.positions.table.detach()
+        assert table.shape == (prefix + 64, 16)
+        torch.testing.assert_close(table[:prefix], old[:prefix], rtol=0, atol=0)  # <cls> kept
+        torch.testing.assert_close(again.positions.table.detach(), table, rtol=0, atol=0)
+        assert not torch.equal(other.positions.table.detach(), table)  # the generator draws
+        assert first(torch.rand(2, 1, 56, 56)).shape == (2, 10)
+        tables[positions] = table[prefix:]
+    # shuffled: the same 64 vectors, most in other places
+    order = torch.cdist(tables["shuffled"], interpolated).argmin(dim=1)  # (64,)
+    assert sorted(order.tolist()) == list(range(64)) and (order != torch.arange(64)).sum() > 50
+    torch.testing.assert_close(tables["shuffled"], interpolated[order])
+    # random: every row as long as the interpolated rows on average, directions unrelated
+    lengths = tables["random"].norm(dim=-1)
+    torch.testing.assert_close(lengths, interpolated.norm(dim=-1).mean().expand(64))
+    cosine = F.cosine_similarity(tables["random"], interpolated, dim=-1)
+    assert cosine.abs().mean() < 0.5
+    # fresh: small rows, as a new model's (std 0.02)
+    assert 0.01 < tables["fresh"].std() < 0.03
 
 
 # ---------------------------------------------------------------------------------------------

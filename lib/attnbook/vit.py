@@ -288,25 +288,34 @@ class ViT(nn.Module):
 
     @torch.no_grad()
     def resize(
-        self, image_size, positions: str = "interpolate", mode: str = "bicubic"
+        self,
+        image_size,
+        positions: str = "interpolate",
+        mode: str = "bicubic",
+        generator: torch.Generator | None = None,
     ) -> ViT:
         """Move the model to images of ``image_size`` (same patch size, so another patch
         grid).
 
         ``positions="interpolate"``: the patch rows of the position table are
         interpolated in 2D to the new grid (:func:`resize_position_table`, bicubically
-        or by ``mode``; the ``<cls>`` row is kept). ``positions="fresh"``: new patch
-        rows, initialised like a new model's (they must be trained); ``<cls>``'s row is
-        kept. Every other weight is
-        unchanged (a ViT without positions only changes its grid). Returns ``self``.
+        or by ``mode``). ``positions="fresh"``: new patch rows, initialised like a new
+        model's (they must be trained). Two controls, for experiments on what the
+        interpolated table carries: ``"shuffled"``, the interpolated rows in a random
+        order (the same vectors in the wrong places), and ``"random"``, random
+        directions scaled to the interpolated rows' mean length (the right size, no
+        placement). The ``<cls>`` row is always kept, every other weight is unchanged
+        (a ViT without positions only changes its grid), and the random draws use
+        ``generator`` (default: torch's global one). Returns ``self``.
         """
-        if positions not in ("interpolate", "fresh"):
+        if positions not in _RESIZED_POSITIONS:
             raise ValueError(
-                f"positions must be 'interpolate' or 'fresh', got {positions!r}"
+                f"positions must be one of {', '.join(map(repr, _RESIZED_POSITIONS))}, "
+                f"got {positions!r}"
             )
         new_grid = patch_grid(image_size, self.patch_embed.patch_size)
         if self.positions is not None:
-            self._resize_table(new_grid, positions, mode)
+            self._resize_table(new_grid, positions, mode, generator)
         self.grid = new_grid
         self.image_size = (
             new_grid[0] * self.patch_embed.patch_size,
@@ -314,23 +323,28 @@ class ViT(nn.Module):
         )
         return self
 
-    def _resize_table(self, new_grid, positions: str, mode: str) -> None:
+    def _resize_table(self, new_grid, positions: str, mode: str, generator) -> None:
         """Replace the position table's patch rows for ``new_grid`` (see resize)."""
-        table = self.positions.table  # (num_prefix + h*w, d)
-        if positions == "interpolate":
-            new_table = resize_position_table(
-                table, self.grid, new_grid, self.num_prefix, mode
-            )
-        else:
-            fresh = (
-                torch.randn(
-                    new_grid[0] * new_grid[1], table.shape[1], device=table.device
-                )
-                * 0.02
-            )
-            new_table = torch.cat([table[: self.num_prefix], fresh.to(table.dtype)])
-        # (num_prefix + H*W, d)
+        table = self.positions.table.detach()  # (num_prefix + h*w, d)
+        prefix = self.num_prefix
+        # (H*W, d)
+        rows = resize_position_table(table, self.grid, new_grid, prefix, mode)[prefix:]
+        if positions == "fresh":
+            draw = torch.randn(rows.shape, generator=generator)
+            rows = draw.to(rows.device, rows.dtype) * 0.02
+        elif positions == "shuffled":
+            order = torch.randperm(len(rows), generator=generator)
+            rows = rows[order.to(rows.device)]
+        elif positions == "random":
+            draw = torch.randn(rows.shape, generator=generator)
+            draw = draw.to(rows.device, rows.dtype)
+            length = rows.norm(dim=-1).mean()
+            rows = draw / draw.norm(dim=-1, keepdim=True) * length
+        new_table = torch.cat([table[:prefix], rows])  # (num_prefix + H*W, d)
         self.positions.table = nn.Parameter(new_table.contiguous())
+
+
+_RESIZED_POSITIONS = ("interpolate", "fresh", "shuffled", "random")
 
 
 class ResidualBlock(nn.Module):
