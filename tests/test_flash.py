@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attnbook import causal_mask, flash_attention
-from attnbook.flash import flash_tile_count, flash_tiles
+from attnbook.flash import flash_tile_count, flash_tiles, slow_memory_traffic
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -386,3 +386,32 @@ def test_second_derivative_is_refused_not_silently_wrong():
         torch.autograd.grad(out.sum(), q, create_graph=True)
     (grad_q,) = torch.autograd.grad(flash_attention(q, k, v, block_size=2).sum(), q)
     assert not grad_q.requires_grad
+
+
+def test_slow_memory_traffic_counts_tile_loads_as_the_closed_forms():
+    T, d, M = 1000, 64, 4 * 64 * 100 * 4  # fast memory: 100 rows of 4 d float32 numbers
+    assert slow_memory_traffic(T, d) == 4 * (4 * T * d + 4 * T * T)  # standard attention
+    outer = 100  # ceil(M / 4 / (4 d)) rows in the outer loop's tile
+    tiles = math.ceil(T / outer)
+    kv_outer = 2 * T * d + (3 * T * d + 4 * T) * tiles
+    q_outer = 2 * T * d + T + 2 * T * d * tiles
+    assert slow_memory_traffic(T, d, M, "kv_outer") == 4 * kv_outer
+    assert slow_memory_traffic(T, d, M, "q_outer") == 4 * q_outer
+    # in half precision the same fast memory holds twice the rows: half the tiles
+    half = slow_memory_traffic(T, d, M, bytes_per_element=2)
+    assert half == 2 * (2 * T * d + T + 2 * T * d * math.ceil(T / 200))
+    # Theorem 2: Theta(T^2 d^2 / M): twice the memory, half the rereads; twice T, 4x
+    for order in ("q_outer", "kv_outer"):
+        big = 8192
+        ratio = slow_memory_traffic(big, d, M, order) / slow_memory_traffic(big, d, 2 * M, order)
+        assert 1.9 < ratio < 2.0
+        growth = slow_memory_traffic(2 * big, d, M, order) / slow_memory_traffic(big, d, M, order)
+        assert 3.9 < growth < 4.0
+    # a fast memory holding all of K and V (or Q): every matrix moves once
+    assert slow_memory_traffic(64, 16, 4 * 64 * 16 * 4, "q_outer") == 4 * (4 * 64 * 16 + 64)
+    with pytest.raises(ValueError, match="order"):
+        slow_memory_traffic(T, d, M, "inner")
+    with pytest.raises(ValueError, match="at least 4 d"):
+        slow_memory_traffic(T, d, 4 * d * 4 - 4)
+    with pytest.raises(ValueError, match="seq_len"):
+        slow_memory_traffic(0, d)

@@ -75,6 +75,60 @@ def flash_tile_count(
     return len(flash_tiles(query_len, key_len, block_size, is_causal))
 
 
+def slow_memory_traffic(
+    seq_len: int,
+    head_dim: int,
+    fast_memory: int | None = None,
+    order: str = "q_outer",
+    bytes_per_element: int = 4,
+) -> int:
+    """Bytes that one head's attention forward reads from and writes to slow memory
+    (a GPU's HBM), ``T = seq_len`` queries and keys of width ``d = head_dim``.
+
+    ``fast_memory=None``: standard attention, which writes ``S = QK^T``, reads it back
+    for the softmax, writes ``P`` and reads it for ``PV``: ``4Td + 4T^2`` elements.
+    Otherwise tiled attention whose tiles fit ``fast_memory`` bytes: the outer loop's
+    tile has ``min(ceil(M / 4d), T)`` rows (``M`` in elements) and stays in fast memory
+    during the inner loop, whose tiles have ``min(ceil(M / 4d), d, T)`` rows (the tile
+    sizes of FlashAttention's Algorithm 1, Dao et al. 2022). ``order="kv_outer"``
+    (FlashAttention-1): every key/value tile is read once, and for each of them every
+    query tile with its output rows and two statistics (``m``, ``l``) is read and
+    written back: ``2Td + (3Td + 4T) ceil(T / B_c)``. ``order="q_outer"``
+    (FlashAttention-2): every query tile is read once and its output and log-sum-exp
+    written once, and for each of them every key/value tile is read: ``2Td + T + 2Td
+    ceil(T / B_r)``. Both are ``Theta(T^2 d^2 / M)`` (the paper's Theorem 2)."""
+    T = check_positive_int("seq_len", seq_len)
+    d = check_positive_int("head_dim", head_dim)
+    size = check_positive_int("bytes_per_element", bytes_per_element)
+    if order not in ("q_outer", "kv_outer"):
+        raise ValueError(f"order must be 'q_outer' or 'kv_outer', got {order!r}")
+    if fast_memory is None:
+        return size * (4 * T * d + 4 * T * T)
+    elements = check_positive_int("fast_memory", fast_memory) // size
+    if elements < 4 * d:
+        raise ValueError(
+            f"fast_memory must hold at least 4 d = {4 * d} elements "
+            f"({4 * d * size} bytes), got {fast_memory} bytes"
+        )
+    outer = min(math.ceil(elements / (4 * d)), T)  # rows of the outer loop's tile
+    inner = min(outer, d)  # rows of the inner loop's tiles
+    traffic = 0
+    for outer_start in range(0, T, outer):
+        rows = min(outer, T - outer_start)
+        if order == "kv_outer":
+            traffic += 2 * rows * d  # K_j and V_j, once
+            for inner_start in range(0, T, inner):
+                r = min(inner, T - inner_start)
+                traffic += 2 * r * d + 2 * r  # read Q_i, O_i, m_i, l_i
+                traffic += r * d + 2 * r  # write O_i, m_i, l_i back
+        else:
+            traffic += rows * d + rows * d + rows  # Q_i in; O_i and L_i out, once
+            traffic += sum(
+                2 * min(inner, T - k) * d for k in range(0, T, inner)
+            )  # every K_j, V_j
+    return size * traffic
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """The autograd function behind :func:`flash_attention` (call that: it checks).
 
@@ -179,4 +233,5 @@ __all__ = [
     "flash_attention",
     "flash_tile_count",
     "flash_tiles",
+    "slow_memory_traffic",
 ]
