@@ -1,6 +1,8 @@
 """Cost formulas against hand-computed values and against FLOPs / bytes counted on real modules;
 timing and peak-memory helpers; what tests/test_attention.py leaves out of memory-efficient attention."""
 
+import time
+
 import pytest
 import torch
 from attnbook import (
@@ -391,3 +393,60 @@ def test_benchmark_check_fails_on_a_missed_bar(monkeypatch, capsys):
     assert "kv_cache_speedup_128: 20.0 (bar >= 15.0: met)" in out
     assert "generate_vs_floor_128: 1.100 (bar <= 1.15: met)" in out
     assert bench.main(["--quick"]) == 0  # without --check the status is 0
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def test_time_by_operation_splits_time_among_the_operations_run(capfd):
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def products_then_a_pass():
+        for _ in range(20):
+            c = a @ b
+        return c.exp()
+
+    start = time.perf_counter()  # the profiler's times are wall-clock times too
+    seconds = measure.time_by_operation(products_then_a_pass)
+    elapsed = time.perf_counter() - start
+    assert {"aten::mm", "aten::exp"} <= set(seconds)
+    assert all(t >= 0 for t in seconds.values())
+    assert seconds["aten::mm"] > seconds["aten::exp"]  # 20 products against one pass
+    assert sum(seconds.values()) <= elapsed  # self times: nothing counted twice
+    assert "profiler" not in capfd.readouterr().err  # its start/stop lines are hidden
+    with pytest.raises(TypeError, match="callable"):
+        measure.time_by_operation(torch.ones(3))
+
+
+def test_time_by_operation_equals_the_profilers_own_self_times(monkeypatch):
+    # the same profile summed by PyTorch's key_averages() (in microseconds)
+    kept = []
+    real_profile = torch.profiler.profile
+
+    def keeping_profile(*args, **kwargs):
+        kept.append(real_profile(*args, **kwargs))
+        return kept[-1]
+
+    monkeypatch.setattr(torch.profiler, "profile", keeping_profile)
+    x = torch.randn(64, 64, requires_grad=True)
+    seconds = measure.time_by_operation(lambda: (x @ x).softmax(-1).sum().backward())
+    reference = {e.key: e.self_cpu_time_total for e in kept[0].key_averages()}
+    assert set(seconds) == set(reference)
+    for name, micro in reference.items():
+        assert abs(1e6 * seconds[name] - micro) < 0.01, name
+
+
+def test_time_by_operation_names_a_custom_autograd_function():
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * grad
+
+    x = torch.randn(10, requires_grad=True)
+    seconds = measure.time_by_operation(lambda: Twice.apply(x).sum().backward())
+    assert "Twice" in seconds and "TwiceBackward" in seconds
+    assert "aten::mul" in seconds

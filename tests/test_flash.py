@@ -311,6 +311,28 @@ def test_saved_for_backward_is_linear_in_T():
     assert theirs[1] > 3.5 * theirs[0]  # the n x n weights
 
 
+def test_backward_peak_above_the_gradients_is_tiles_not_a_copy_of_q():
+    # forward + backward peak minus what must exist anyway (the gradients of q, k, v and
+    # the saved out and log-sum-exp): a few block x block tiles, whatever T is; a
+    # scaled copy of all of q would add B h T d floats, growing with T
+    from attnbook.measure import peak_memory
+
+    B, h, d, block = 1, 2, 64, 64
+    extra = []
+    for n in (256, 1024):
+        q, k, v = make_qkv(B, h, n, n, d, d)
+        grad_out = torch.randn(B, h, n, d)
+
+        def run(q=q, k=k, v=v, grad_out=grad_out):
+            out = flash_attention(q, k, v, block_size=block)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        extra.append(peak_memory(run) - 4 * (4 * B * h * n * d + B * h * n))
+    tile = 4 * B * h * block * block
+    assert 0 < extra[0] < 12 * tile
+    assert abs(extra[1] - extra[0]) < tile  # a q copy would add 4 B h (1024-256) d
+
+
 # --- bad inputs ---------------------------------------------------------------------
 
 

@@ -162,7 +162,6 @@ class FlashAttentionFunction(torch.autograd.Function):
         do = grad_out.to(compute)  # (B, h, Tq, dv)
         scale = 1.0 / math.sqrt(d)
         D = (do * out).sum(dim=-1, keepdim=True)  # (B, h, Tq, 1): rowsum(dO * O)
-        q_scaled = qc * scale  # (B, h, Tq, d)
         dq = torch.zeros_like(qc)  # (B, h, Tq, d)
         dk = torch.empty_like(kc)  # (B, h, Tk, d)
         dv = torch.empty_like(vc)  # (B, h, Tk, dv)
@@ -175,7 +174,8 @@ class FlashAttentionFunction(torch.autograd.Function):
             first = _first_query(k_start, n_q, n_k, block_size, is_causal)
             for q_start in range(first, n_q, block_size):  # inner loop: query tiles
                 q_stop = min(q_start + block_size, n_q)
-                q_tile = q_scaled[:, :, q_start:q_stop]  # (B, h, bq, d)
+                # scaled tile by tile: a scaled copy of all of q would be O(T d) more
+                q_tile = qc[:, :, q_start:q_stop] * scale  # (B, h, bq, d)
                 s = q_tile @ k_tile.transpose(-2, -1)  # (B, h, bq, bk): recomputed
                 if is_causal:
                     mask_future_(s, q_start, k_start, n_q, n_k)

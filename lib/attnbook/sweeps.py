@@ -114,7 +114,7 @@ class Sweep:
             bound = f"{side} {threshold:.3g}"
             print(
                 f"{label:{width}} {this_run[name]:>9.3g} {low:>9.3g} {high:>9.3g}  "
-                f"{bound:<12} {margins[name]:>+7.2g}"
+                f"{bound:<12} {margin:>+7.2g}"
             )
         return margins
 
