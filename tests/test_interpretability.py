@@ -11,6 +11,9 @@ from attnbook import induction_score, previous_token_score
 from attnbook.interpretability import (
     AttentionOnlyTransformer,
     ablate_heads,
+    composition_score,
+    copying_score,
+    head_circuits,
     periodic_tokens,
     repeated_tokens,
 )
@@ -367,3 +370,85 @@ def test_ablation_rejects_a_module_without_heads_and_a_bad_mode():
     with pytest.raises(ValueError, match="mode.*'half'"):
         with ablate_heads(small_model().blocks[0], [0], mode="half"):
             pass
+
+
+# --- circuits read off the weights ------------------------------------------------
+
+
+def bias_free_attention(d=12, h=3, seed=0):
+    torch.manual_seed(seed)
+    return attnbook.MultiHeadAttention(d, h, bias=False).eval()
+
+
+@pytest.mark.parametrize("head", [0, 2])
+def test_head_circuits_give_the_heads_scores_and_output(head):
+    attention = bias_free_attention()
+    d, head_dim = 12, 4
+    x = torch.randn(1, 7, d)
+    w_qk, w_ov = head_circuits(attention, head)
+    assert w_qk.shape == w_ov.shape == (d, d)
+    with torch.no_grad():
+        _, weights = attention(x, x, x)  # (1, h, 7, 7)
+        scores = x[0] @ w_qk @ x[0].T / head_dim**0.5  # x_t^T W_QK x_s
+        torch.testing.assert_close(weights[0, head], torch.softmax(scores, -1))
+        others = [i for i in range(3) if i != head]
+        with ablate_heads(attention, others):  # only this head writes
+            out, _ = attention(x, x, x)
+        torch.testing.assert_close(out[0], weights[0, head] @ (x[0] @ w_ov.T))
+
+
+def test_composition_score_by_hand():
+    d = 8
+    eye = torch.eye(d)
+    e1 = torch.zeros(d, d)
+    e1[0, 0] = 1
+    e2 = torch.zeros(d, d)
+    e2[1, 1] = 1
+    assert composition_score(eye, eye).item() == pytest.approx(1 / d**0.5)
+    assert composition_score(e1, e1).item() == pytest.approx(1.0)
+    assert composition_score(e2, e1).item() == 0.0  # reads what the other never writes
+    a, b = torch.randn(d, d), torch.randn(d, d)
+    expected = torch.linalg.norm(a @ b) / (torch.linalg.norm(a) * torch.linalg.norm(b))
+    torch.testing.assert_close(composition_score(a, b), expected)
+    assert 0 <= composition_score(a, b) <= 1
+
+
+def test_copying_score_by_hand():
+    assert copying_score(torch.eye(5)).item() == pytest.approx(1.0)
+    assert copying_score(-torch.eye(5)).item() == pytest.approx(-1.0)
+    assert copying_score(torch.diag(torch.tensor([2.0, -1.0]))).item() == pytest.approx(
+        1 / 3
+    )
+    rotation = torch.tensor([[0.0, -1.0], [1.0, 0.0]])  # eigenvalues +i and -i
+    assert copying_score(rotation).item() == pytest.approx(0.0, abs=1e-7)
+    # W_U W_OV W_E of a head whose OV circuit is the identity, with W_U = W_E^T: copies
+    embedding = torch.randn(16, 4)  # (V, d)
+    assert copying_score(embedding @ torch.eye(4) @ embedding.T).item() > 0.999
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((torch.randn(3, 4), torch.randn(4, 4)), ValueError, "square"),
+        ((torch.randn(4, 4), torch.randn(3, 3)), ValueError, "same shape"),
+        ((torch.zeros(4, 4), torch.randn(4, 4)), ValueError, "zero matrix"),
+        (([[1.0]], torch.randn(1, 1)), ValueError, "square"),
+    ],
+)
+def test_composition_score_rejects_bad_matrices(args, error, match):
+    with pytest.raises(error, match=match):
+        composition_score(*args)
+
+
+def test_copying_score_and_head_circuits_reject_bad_inputs():
+    with pytest.raises(ValueError, match="square"):
+        copying_score(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="all 0"):
+        copying_score(torch.zeros(3, 3))
+    attention = bias_free_attention()
+    with pytest.raises(ValueError, match="out of range"):
+        head_circuits(attention, 3)
+    with pytest.raises(TypeError, match="one int"):
+        head_circuits(attention, [0, 1])
+    with pytest.raises(TypeError, match="multi-head attention"):
+        head_circuits(torch.nn.Linear(4, 4), 0)

@@ -12,6 +12,10 @@
   it also returns every layer's per-head weights.
 - :func:`ablate_heads`: a context manager that zeroes (or mean-replaces) chosen heads of
   one attention module during forward passes, without touching its weights.
+- :func:`head_circuits`, :func:`composition_score` and :func:`copying_score` read a
+  head's circuits off its weights (Elhage et al. 2021): its query-key matrix ``W_QK``
+  and output-value matrix ``W_OV``, how much a later head reads what an earlier one
+  writes, and whether a matrix copies (mostly positive eigenvalues).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from .utils import check_positive_int, check_token_ids
 __all__ = [
     "AttentionOnlyTransformer",
     "ablate_heads",
+    "composition_score",
+    "copying_score",
+    "head_circuits",
     "induction_score",
     "periodic_tokens",
     "previous_token_score",
@@ -223,3 +230,76 @@ def ablate_heads(attention: nn.Module, heads, mode: str = "zero") -> Iterator:
         yield attention
     finally:
         handle.remove()
+
+
+def head_circuits(attention: nn.Module, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One head's two circuits, read off the weights of ``attention`` (a
+    :class:`~attnbook.multihead.MultiHeadAttention`): ``(W_QK, W_OV)``, each
+    ``(d_model, d_model)``, for column vectors of the residual stream.
+
+    ``W_QK = W_Q^T W_K`` (the head's rows of the query and key projections): the score
+    of query ``x`` on key ``y`` is ``x^T W_QK y / sqrt(head_dim)``. ``W_OV = W_O W_V``
+    (its columns of the output projection times its rows of the value projection): what
+    the head writes into the stream for a key ``y`` it attends to fully is ``W_OV y``.
+    Biases are left out, as in Elhage et al. (2021)."""
+    if not isinstance(head, (int, np.integer)) or isinstance(head, bool):
+        raise TypeError(f"head must be one int index, got {head!r}")
+    (head,) = _check_heads(attention, head)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        if not isinstance(getattr(attention, name, None), nn.Linear):
+            raise TypeError(f"attention must have a {name} nn.Linear")
+    head_dim = attention.out_proj.in_features // attention.num_heads
+    rows = slice(head * head_dim, (head + 1) * head_dim)
+    with torch.no_grad():
+        w_q = attention.q_proj.weight[rows]  # (head_dim, d_model)
+        w_k = attention.k_proj.weight[rows]
+        w_v = attention.v_proj.weight[rows]
+        w_o = attention.out_proj.weight[:, rows]  # (d_model, head_dim)
+        return w_q.T @ w_k, w_o @ w_v  # (d_model, d_model) each
+
+
+def composition_score(later: torch.Tensor, earlier_ov: torch.Tensor) -> torch.Tensor:
+    """``||later @ earlier_ov||_F / (||later||_F ||earlier_ov||_F)``, in ``[0, 1]``: how
+    much of a later head's circuit reads the subspace an earlier head writes to.
+
+    With ``later = W_QK`` of the later head it is K-composition (the earlier head's
+    output read by the later head's keys); with ``W_QK^T``, Q-composition; with its
+    ``W_OV``, V-composition. Matrices ``(d, d)``; independent random matrices of rank
+    ``r`` in ``d`` dimensions score about ``sqrt(r) / d`` against each other."""
+    for name, m in (("later", later), ("earlier_ov", earlier_ov)):
+        if not isinstance(m, torch.Tensor) or m.dim() != 2 or m.shape[0] != m.shape[1]:
+            shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"{name} must be a square matrix (d, d), got {shape}")
+    if later.shape != earlier_ov.shape:
+        raise ValueError(
+            f"later {tuple(later.shape)} and earlier_ov {tuple(earlier_ov.shape)} "
+            "must have the same shape"
+        )
+    norms = torch.linalg.matrix_norm(later) * torch.linalg.matrix_norm(earlier_ov)
+    if norms == 0:
+        raise ValueError("composition_score of a zero matrix is undefined")
+    return torch.linalg.matrix_norm(later @ earlier_ov) / norms
+
+
+def copying_score(circuit: torch.Tensor) -> torch.Tensor:
+    """``sum(eigenvalues) / sum(|eigenvalues|)`` of a square matrix, in ``[-1, 1]``.
+
+    For a head's full OV circuit from tokens to logits, ``W_U W_OV W_E`` ``(V, V)``, a
+    score near 1 means that attending to a token raises that same token's logit: the
+    head copies (Elhage et al. 2021). A random matrix scores near 0."""
+    if (
+        not isinstance(circuit, torch.Tensor)
+        or circuit.dim() != 2
+        or circuit.shape[0] != circuit.shape[1]
+    ):
+        shape = (
+            tuple(circuit.shape)
+            if isinstance(circuit, torch.Tensor)
+            else type(circuit).__name__
+        )
+        raise ValueError(f"circuit must be a square matrix (V, V), got {shape}")
+    eigenvalues = torch.linalg.eigvals(circuit.detach().double())
+    total = eigenvalues.abs().sum()
+    if total == 0:
+        raise ValueError("copying_score of a matrix whose eigenvalues are all 0")
+    return (eigenvalues.sum().real / total).to(circuit.dtype)
