@@ -929,3 +929,49 @@ def test_speculative_decoding_runs_in_eval_mode(temperature):
     if temperature == 0:
         assert torch.equal(runs[0], generate(target, [1, 2], 12))
     assert target.training and draft.training
+
+
+# --- n-gram blocking ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ngram_blocked_matches_transformers(n):
+    from attnbook.generation import ngram_blocked
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+    g = torch.Generator().manual_seed(n)
+    processor = NoRepeatNGramLogitsProcessor(n)
+    for length in range(0, 30):
+        tokens = torch.randint(0, 4, (1, length), generator=g)  # 4 tokens: many repeats
+        scores = processor(tokens, torch.zeros(1, 4))
+        theirs = torch.nonzero(scores[0] == float("-inf")).flatten().tolist()
+        assert ngram_blocked(tokens[0].tolist(), n) == theirs, (tokens, n)
+
+
+def test_ngram_blocked_by_hand():
+    from attnbook.generation import ngram_blocked
+
+    assert ngram_blocked([1, 2, 3, 1, 2], 3) == [3]  # "1 2" was followed by 3
+    assert ngram_blocked([1, 2, 3, 1, 2], 2) == [3]  # "2" was followed by 3
+    assert ngram_blocked([1, 2, 3], 1) == [1, 2, 3]
+    assert ngram_blocked([5], 3) == []
+    with pytest.raises(ValueError, match="n"):
+        ngram_blocked([1, 2], 0)
+
+
+def test_beam_search_blocks_repeated_ngrams(gpt):
+    prompt = [3, 1, 4]
+    for width in (1, 3):
+        tokens, score = beam_search(gpt, prompt, 16, beam_size=width, no_repeat_ngram=2)
+        seq = tokens[0].tolist()
+        pairs = list(zip(seq, seq[1:], strict=False))
+        assert len(pairs) == len(set(pairs))  # no bigram twice, prompt included
+        new = tokens[0, 3:].tolist()
+        # the blocked tokens are set to -inf before the log-softmax, as suppressed ones
+        # are: the score is renormalised over the allowed tokens, so no lower
+        assert score >= sequence_log_probability(gpt, prompt, new) - 1e-4
+    unblocked = beam_search(gpt, prompt, 16, beam_size=1)[0][0].tolist()
+    assert len(set(zip(unblocked, unblocked[1:], strict=False))) < len(unblocked) - 1  # it repeats
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises((ValueError, TypeError), match="no_repeat_ngram"):
+            beam_search(gpt, prompt, 4, no_repeat_ngram=bad)

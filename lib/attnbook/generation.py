@@ -404,6 +404,24 @@ def _widen(context, beam_size: int):
     return context
 
 
+def ngram_blocked(tokens, n: int) -> list[int]:
+    """The tokens that would complete an ``n``-gram already in ``tokens`` (a list of
+    ints) if appended: every ``tokens[i + n - 1]`` whose ``n - 1`` predecessors equal
+    the last ``n - 1`` tokens. ``n = 1``: every token seen."""
+    n = check_positive_int("n", n)
+    tokens = list(tokens)
+    if len(tokens) < n - 1:
+        return []
+    tail = tokens[len(tokens) - n + 1 :] if n > 1 else []
+    return sorted(
+        {
+            tokens[i + n - 1]
+            for i in range(len(tokens) - n + 1)
+            if tokens[i : i + n - 1] == tail
+        }
+    )
+
+
 def beam_search(
     model,
     prompt,
@@ -414,6 +432,7 @@ def beam_search(
     end_token=None,
     suppress=(),
     suppress_at_start=(),
+    no_repeat_ngram: int = 0,
     **inputs,
 ) -> tuple[torch.Tensor, float]:
     """Beam search over a model with the decoding interface: ``(tokens (1, T0 + new),
@@ -445,6 +464,10 @@ def beam_search(
     each step the self-attention caches' rows are reordered by the surviving beams'
     indices, so each beam keeps the keys and values of its own prefix. ``inputs`` go to
     the model's ``decoding_context`` (``mel=`` for Whisper).
+
+    ``no_repeat_ngram=n > 0`` blocks n-gram repeats: a beam may not pick a token that
+    would complete an n-gram already in its sequence, prompt included (as
+    ``transformers``' ``no_repeat_ngram_size``).
     """
     run = _decoding(
         model,
@@ -462,8 +485,10 @@ def beam_search(
         raise ValueError(
             f"length_penalty must be a number in [0, 10], got {length_penalty!r}"
         )
+    no_repeat_ngram = check_non_negative_int("no_repeat_ngram", no_repeat_ngram)
     end_token, vocab_size = run.end_token, model.vocab_size
     decode_step = _decode_step(model)
+    prompt_tokens = run.prompt[0].tolist()
 
     def rank(score: float, length: int) -> float:
         return score / length**length_penalty
@@ -484,6 +509,11 @@ def beam_search(
         finished = []  # (rank, score, new tokens with end_token) of finished hypotheses
         for step in range(max_new_tokens):
             logits = run.suppressed(logits.float().clone(), step)  # (beam, V)
+            if no_repeat_ngram:
+                for row, prefix in enumerate(prefixes):
+                    banned = ngram_blocked(prompt_tokens + prefix, no_repeat_ngram)
+                    if len(banned) < vocab_size:  # never every token
+                        logits[row, banned] = float("-inf")
             # (beam * V,)
             candidates = (scores[:, None] + torch.log_softmax(logits, dim=-1)).flatten()
             # the beam_size best extensions; those that end finish, taking their slot
@@ -734,6 +764,7 @@ __all__ = [
     "beam_search",
     "generate",
     "next_token",
+    "ngram_blocked",
     "sampling_probabilities",
     "speculative_generate",
     "truncate_logits",
