@@ -2,6 +2,7 @@
 
 import math
 
+import attnbook
 import pytest
 import torch
 import torch.nn.functional as F
@@ -408,3 +409,61 @@ def test_interpolate_grid_nearest_at_twice_the_side_copies_each_parent_row():
 def test_interpolate_grid_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="mode must be one of"):
         interpolate_grid(torch.randn(4, 2), (2, 2), (4, 4), "area")
+
+
+# ---- rope_scores (distances capped, as ReRoPE) and log-length scaling
+
+
+def test_rope_scores_without_cap_is_plain_rope():
+    q, k = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    plain = apply_rope(q) @ apply_rope(k).transpose(-1, -2)
+    torch.testing.assert_close(attnbook.rope_scores(q, k), plain)
+    # a cap at the longest distance (T - 1) or beyond changes nothing
+    torch.testing.assert_close(attnbook.rope_scores(q, k, max_distance=6), plain)
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_rope_scores_treats_far_distances_as_the_cap(cap):
+    T, dim = 9, 8
+    q, k = torch.randn(T, dim), torch.randn(T, dim)
+    scores = attnbook.rope_scores(q, k, max_distance=cap)
+    plain = attnbook.rope_scores(q, k)
+    for i in range(T):
+        for j in range(T):
+            if i - j > cap:  # as if query i stood cap positions after key j
+                q_moved = apply_rope(q[i : i + 1], j + cap)
+                expected = (q_moved * apply_rope(k[j : j + 1], j)).sum()
+                torch.testing.assert_close(scores[i, j], expected, atol=1e-5, rtol=1e-5)
+                assert not torch.isclose(scores[i, j], plain[i, j], atol=1e-3)
+            else:  # near keys and future keys: plain RoPE
+                assert scores[i, j] == plain[i, j]
+
+
+def test_rope_scores_rejects_bad_inputs():
+    q = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="same shape"):
+        attnbook.rope_scores(q, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="even dim"):
+        attnbook.rope_scores(torch.randn(4, 7), torch.randn(4, 7))
+    with pytest.raises(ValueError, match="max_distance"):
+        attnbook.rope_scores(q, q, max_distance=0)
+
+
+def test_log_length_scale_by_hand_and_as_qwen_writes_it():
+    factors = attnbook.log_length_scale(6, 4)
+    expected = [1, 1, 1, 1, math.log(5) / math.log(4), math.log(6) / math.log(4)]
+    torch.testing.assert_close(factors, torch.tensor(expected, dtype=torch.float32))
+    # Qwen's list, indexed by the 1-based position
+    qwen = [math.log(i, 32) if i > 32 else 1 for i in range(1, 300)]
+    torch.testing.assert_close(
+        attnbook.log_length_scale(299, 32), torch.tensor(qwen, dtype=torch.float32)
+    )
+
+
+@pytest.mark.parametrize(
+    "length, trained, match",
+    [(0, 4, "length"), (4, 1, "trained_length"), (4.5, 4, "length")],
+)
+def test_log_length_scale_rejects_bad_sizes(length, trained, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        attnbook.log_length_scale(length, trained)

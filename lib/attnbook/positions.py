@@ -305,6 +305,67 @@ def apply_rope(
     return rotated.flatten(-2)  # (..., T, dim)
 
 
+def rope_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    max_distance: int | None = None,
+    base: float = 10000.0,
+) -> torch.Tensor:
+    """RoPE's scores ``q_i . k_j`` (not divided by sqrt(dim)): ``(..., T, T)`` for the
+    queries and keys ``(..., T, dim)`` of one sequence, from position 0.
+
+    With ``max_distance``, every distance ``i - j`` beyond it is scored as if it were
+    ``max_distance`` (the idea of Su's ReRoPE, 2023): no query meets a distance larger
+    than one it was trained on, yet every key stays in the softmax. ``None`` is plain
+    RoPE. Entries above the diagonal (future keys) are plain RoPE's; a causal mask
+    hides them.
+    """
+    _check_qk_pair(q, k)
+    near = apply_rope(q, base=base) @ apply_rope(k, base=base).transpose(-1, -2)
+    if max_distance is None:
+        return near
+    max_distance = check_positive_int("max_distance", max_distance)
+    # every query rotated to position max_distance, every key left at position 0
+    at_cap = apply_rope(q.unsqueeze(-2), max_distance, base).squeeze(-2)
+    far = at_cap @ k.transpose(-1, -2)  # (..., T, T): distance max_distance
+    T = q.shape[-2]
+    positions = torch.arange(T, device=q.device)
+    beyond = positions[:, None] - positions[None, :] > max_distance  # (T, T): i - j
+    return torch.where(beyond, far, near)
+
+
+def _check_qk_pair(q, k) -> None:
+    for name, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] % 2:
+            raise ValueError(
+                f"{name} must be a tensor (..., T, dim) with an even dim, got "
+                f"{getattr(x, 'shape', type(x).__name__)}"
+            )
+    if q.shape != k.shape:
+        raise ValueError(
+            f"q and k must have the same shape (one sequence), got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
+        )
+
+
+def log_length_scale(length: int, trained_length: int) -> torch.Tensor:
+    """Log-length scaling of the queries (Chiang and Cholak 2022; Qwen's "logn"
+    attention): ``(length,)`` factors ``max(1, log(p + 1) / log(trained_length))`` for
+    the positions ``p = 0 .. length - 1``.
+
+    A causal query at position ``p`` sees ``p + 1`` keys; multiplying its scores by
+    the factor keeps a softmax over more keys about as peaked as over
+    ``trained_length`` (1 within the trained length)."""
+    length = check_positive_int("length", length)
+    trained_length = check_positive_int("trained_length", trained_length)
+    if trained_length < 2:
+        raise ValueError(f"trained_length must be at least 2, got {trained_length}")
+    keys_seen = torch.arange(1, length + 1, dtype=torch.float64)
+    factors = (keys_seen.log() / math.log(trained_length)).clamp(min=1.0)
+    return factors.float()
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """ALiBi's per-head slopes ``(num_heads,)`` (Press et al. 2022): for ``h`` a power
     of two the geometric sequence ``2^(-8/h), 2^(-16/h), ..., 2^(-8)`` (1/2, 1/4, ...,
@@ -364,7 +425,9 @@ __all__ = [
     "alibi_slopes",
     "apply_rope",
     "interpolate_grid",
+    "log_length_scale",
     "rope_angles",
+    "rope_scores",
     "sinusoidal_encoding",
     "sinusoidal_shift_matrix",
     "yarn_attention_factor",
