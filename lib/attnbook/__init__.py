@@ -2,11 +2,13 @@
 
 One module per concept, each standing on the ones before (imports only go downward):
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
-with data and train (datasets, the training loop), cost (formulas, timing), measure
-(timing helpers), bert (MiniLM-L6 in our encoder), vit (chapter 9), audio, whisper, ctc
-and metrics (chapter 10), flash (chapter 15: FlashAttention), interpretability (chapter
-16: induction heads), distributed (the appendix: DDP and FSDP on gloo, imported on its
-own as ``attnbook.distributed``) and bench (``python -m attnbook.bench``).
+with modern (chapter 17: RMSNorm, SwiGLU, RoPE's two layouts, reading transformers'
+Llama, Qwen3 and Mistral; below multihead), data and train (datasets, the training
+loop), cost (formulas, timing), measure (timing helpers), bert (MiniLM-L6 in our
+encoder), vit (chapter 9), audio, whisper, ctc and metrics (chapter 10), flash (chapter
+15: FlashAttention), interpretability (chapter 16: induction heads), distributed (the
+appendix: DDP and FSDP on gloo, imported on its own as ``attnbook.distributed``) and
+bench (``python -m attnbook.bench``).
 """
 
 from . import (
@@ -17,6 +19,7 @@ from . import (
     data,
     measure,
     metrics,
+    modern,
     speech,
     train,
     vit,
@@ -57,11 +60,13 @@ from .models import (
     TransformerDecoder,
     mean_pool,
 )
+from .modern import RMSNorm, SwiGLU
 from .multihead import (
     MultiHeadAttention,
     RotaryMultiHeadAttention,
     WideMultiHeadAttention,
     merge_heads,
+    repeat_kv,
     split_heads,
 )
 from .positions import (
@@ -105,12 +110,14 @@ __all__ = [
     "LearnedPositions",
     "MultiHeadAttention",
     "PatchEmbedding",
+    "RMSNorm",
     "RollingKVCache",
     "RotaryMultiHeadAttention",
     "Seq2SeqSpeechModel",
     "SinusoidalPositions",
     "SmallResNet",
     "SpeculativeStats",
+    "SwiGLU",
     "Transcriber",
     "TransformerDecoder",
     "ViT",
@@ -148,11 +155,13 @@ __all__ = [
     "memory_efficient_attention",
     "merge_heads",
     "metrics",
+    "modern",
     "next_token",
     "on_gpu",
     "padding_mask",
     "previous_token_score",
     "progress",
+    "repeat_kv",
     "rope_angles",
     "rope_scores",
     "sampling_probabilities",

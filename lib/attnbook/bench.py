@@ -292,18 +292,26 @@ def _floor_layers(gpt: GPT) -> list[tuple[torch.Tensor | float, ...]]:
     for i, block in enumerate(gpt.blocks):
         attention, feed_forward = block.self_attention, block.feed_forward
         if getattr(block, "norm_position", None) != "pre" or not isinstance(
-            feed_forward.activation, nn.GELU
+            getattr(feed_forward, "activation", None), nn.GELU
         ):
             raise ValueError(
                 f"floor_generate knows the pre-norm GELU GPT only; block {i} has "
                 f"norm={getattr(block, 'norm_position', None)!r}, "
-                f"activation {feed_forward.activation!r}"
+                f"activation {getattr(feed_forward, 'activation', feed_forward)!r}"
             )
         # a subclass may change queries and keys (RoPE)
         if type(attention) is not MultiHeadAttention:
             raise ValueError(
                 f"floor_generate knows plain MultiHeadAttention only; block {i} has "
                 f"{type(attention).__name__}"
+            )
+        if (
+            attention.num_kv_heads != attention.num_heads
+            or attention.q_norm is not None
+        ):
+            raise ValueError(
+                "floor_generate knows plain MultiHeadAttention only; block "
+                f"{i} has num_kv_heads={attention.num_kv_heads} or QK-norm"
             )
         layers.append(
             (

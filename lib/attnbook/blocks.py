@@ -3,7 +3,9 @@ decoder blocks.
 
 Every block maps ``(B, T, d)`` to ``(B, T, d)``: each token keeps its own vector (no
 pooling). ``norm="post"`` is the original ``LayerNorm(x + Sublayer(x))``; ``norm="pre"``
-is ``x + Sublayer(LayerNorm(x))`` (ViT, GPT-2 and most later models).
+is ``x + Sublayer(LayerNorm(x))`` (ViT, GPT-2 and most later models). The decoder-only
+block also builds today's decoders (chapter 17): ``norm="rms"`` (pre-norm with RMSNorm),
+``activation="swiglu"``, no biases, grouped-query attention.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .modern import RMSNorm, SwiGLU
 from .multihead import MultiHeadAttention
 from .utils import check_positive_int
 
@@ -157,7 +160,62 @@ class DecoderOnlyBlock(EncoderBlock):
     the bottom right: with a :class:`~attnbook.caches.KVCache` the new tokens are the
     last ones and see every earlier token. ``forward(x (B, T, d), *, cache=None) -> (B,
     T, d)``.
+
+    Its further keywords build today's decoders (chapter 17): ``norm="rms"`` (pre-norm
+    with :class:`~attnbook.modern.RMSNorm`, eps ``layer_norm_eps``),
+    ``activation="swiglu"`` (:class:`~attnbook.modern.SwiGLU` of width ``hidden``,
+    ``8 d / 3`` by default), ``bias=False`` (no bias in the attention's and the
+    feed-forward network's linear layers) and ``attention_options`` for
+    ``attention_class`` (``num_kv_heads``, ``qk_norm``, ``rope_base``, ...). The
+    defaults build :class:`EncoderBlock`'s modules, in its order.
     """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        hidden=None,
+        dropout=0.0,
+        *,
+        activation="relu",
+        norm="post",
+        layer_norm_eps=1e-5,
+        attention_class=MultiHeadAttention,
+        bias=True,
+        **attention_options,
+    ):
+        nn.Module.__init__(self)  # EncoderBlock's modules, built here
+        if norm not in ("post", "pre", "rms"):
+            raise ValueError(f"norm must be 'post', 'pre' or 'rms', got {norm!r}")
+        if activation not in (*ACTIVATIONS, "swiglu"):
+            raise ValueError(
+                f"activation must be one of {sorted([*ACTIVATIONS, 'swiglu'])}, got "
+                f"{activation!r}"
+            )
+        self.norm_position, self.activation_name = norm, activation
+        self.self_attention = attention_class(
+            d_model, num_heads, bias=bias, dropout=dropout, **attention_options
+        )
+        self.feed_forward = _feed_forward(d_model, hidden, activation, dropout, bias)
+        self.norm1 = _norm(norm, d_model, layer_norm_eps)
+        self.norm2 = _norm(norm, d_model, layer_norm_eps)
+        self.dropout1 = dropout_layer(dropout)
+        self.dropout2 = dropout_layer(dropout)
+        self.record_weights = False
+        self.weights = None
+
+    @torch.no_grad()
+    def load_from_torch(self, reference: nn.TransformerEncoderLayer):
+        """As :meth:`EncoderBlock.load_from_torch`, for a block of the defaults' kind
+        (LayerNorm, a two-layer MLP, biases)."""
+        if self.norm_position == "rms" or not isinstance(
+            self.feed_forward, FeedForward
+        ):
+            raise ValueError(
+                "PyTorch's layers have LayerNorm and a two-layer MLP; this block has "
+                f"norm={self.norm_position!r}, activation={self.activation_name!r}"
+            )
+        return super().load_from_torch(reference)
 
     def forward(
         self, x, mask=None, *, key_padding_mask=None, cache=None, is_causal=True
@@ -285,6 +343,23 @@ class DecoderBlock(nn.Module):
                 getattr(reference, f"norm{i}").state_dict()
             )
         return self
+
+
+def _norm(norm: str, d_model: int, eps: float) -> nn.Module:
+    return RMSNorm(d_model, eps) if norm == "rms" else nn.LayerNorm(d_model, eps=eps)
+
+
+def _feed_forward(d_model, hidden, activation, dropout, bias) -> nn.Module:
+    """:class:`FeedForward`, or :class:`~attnbook.modern.SwiGLU` (``hidden`` ``8 d /
+    3`` by default: the parameters of a ``4 d`` two-layer MLP); without biases unless
+    ``bias``."""
+    if activation == "swiglu":
+        hidden = 8 * d_model // 3 if hidden is None else hidden
+        return SwiGLU(d_model, hidden, bias=bias, dropout=dropout)
+    feed_forward = FeedForward(d_model, hidden, activation, dropout)
+    if not bias:  # the same MLP without its two bias vectors
+        feed_forward.fc1.bias = feed_forward.fc2.bias = None
+    return feed_forward
 
 
 def _torch_activation(reference: nn.Module) -> str | None:

@@ -29,9 +29,10 @@ from torch import nn
 from .blocks import DecoderBlock, DecoderOnlyBlock, dropout_layer, stack_blocks
 from .caches import make_caches
 from .masks import sliding_window_mask
+from .modern import RMSNorm, gpt_arguments, gpt_weights
 from .multihead import MultiHeadAttention, RotaryMultiHeadAttention
 from .positions import LearnedPositions, SinusoidalPositions, alibi_bias
-from .utils import check_positive_int, check_token_ids
+from .utils import check_eps, check_positive_int, check_token_ids, copy_weights
 
 
 def _check_sizes(**sizes) -> None:
@@ -55,10 +56,14 @@ def _token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     return embedding
 
 
-def _final_norm(norm: str, d_model: int) -> nn.Module:
-    """A pre-norm stack ends with a LayerNorm (its residual stream is never normalised
-    otherwise)."""
-    return nn.LayerNorm(d_model) if norm == "pre" else nn.Identity()
+def _final_norm(norm: str, d_model: int, eps: float | None = None) -> nn.Module:
+    """A pre-norm stack ends with a LayerNorm, or an RMSNorm with ``norm="rms"`` (its
+    residual stream is never normalised otherwise)."""
+    if norm == "rms":
+        return RMSNorm(d_model, 1e-6 if eps is None else eps)
+    if norm == "pre":
+        return nn.LayerNorm(d_model) if eps is None else nn.LayerNorm(d_model, eps=eps)
+    return nn.Identity()
 
 
 def mean_pool(
@@ -93,6 +98,28 @@ def mean_pool(
 GPT_POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 
 
+def _block_options(positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, bias):
+    """The :class:`~attnbook.blocks.DecoderOnlyBlock` keywords of a GPT's chapter-17
+    options: norm eps (1e-5 for LayerNorm, 1e-6 for RMSNorm and QK-norm unless
+    ``norm_eps``), biases, grouped-query attention, QK-norm, RoPE's base."""
+    if norm_eps is not None:
+        norm_eps = check_eps(norm_eps, "norm_eps")
+    options = dict(
+        layer_norm_eps=norm_eps or (1e-6 if norm == "rms" else 1e-5),
+        bias=bias,
+        num_kv_heads=num_kv_heads,
+        qk_norm=qk_norm,
+        qk_norm_eps=norm_eps or 1e-6,
+    )
+    if positions == "rope":
+        options["rope_base"] = rope_base
+    elif rope_base != 10000.0:
+        raise ValueError(
+            f"rope_base needs positions='rope', this GPT has positions={positions!r}"
+        )
+    return options
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: token + learned position embeddings, causal blocks,
     next-token head.
@@ -111,6 +138,13 @@ class GPT(nn.Module):
     alone). With ``window`` each token attends to itself and the ``window - 1`` tokens
     before it (:func:`~attnbook.masks.sliding_window_mask`), and :meth:`make_caches`
     gives rolling caches of ``window`` entries.
+
+    Today's decoders (chapter 17) differ by keywords: ``norm="rms"`` (pre-norm with
+    RMSNorm, eps ``norm_eps``), ``activation="swiglu"`` (``hidden`` is its width),
+    ``num_kv_heads`` (grouped-query attention: the caches hold that many heads),
+    ``qk_norm``, ``rope_base``, ``bias=False`` (no bias in the attention and
+    feed-forward layers) and ``tie_embeddings`` (the output head is the token
+    embedding). :meth:`from_transformers` builds one from a Llama, Qwen3 or Mistral.
     """
 
     def __init__(
@@ -127,6 +161,12 @@ class GPT(nn.Module):
         activation="gelu",
         positions="learned",
         window=None,
+        norm_eps=None,
+        num_kv_heads=None,
+        qk_norm=False,
+        rope_base=10000.0,
+        bias=True,
+        tie_embeddings=False,
     ):
         super().__init__()
         _check_sizes(
@@ -142,6 +182,7 @@ class GPT(nn.Module):
             )
         self.window = None if window is None else check_positive_int("window", window)
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.position_scheme = positions
         self.token_embedding = _token_embedding(vocab_size, d_model)
         if positions == "learned":
@@ -164,9 +205,25 @@ class GPT(nn.Module):
             activation=activation,
             norm=norm,
             attention_class=attention_class,
+            **_block_options(
+                positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, bias
+            ),
         )
-        self.final_norm = _final_norm(norm, d_model)
+        self.final_norm = _final_norm(norm, d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:  # the output head is the token embedding (GPT-2, Qwen3-0.6B)
+            self.lm_head.weight = self.token_embedding.weight
+
+    @classmethod
+    def from_transformers(cls, model) -> GPT:
+        """A GPT with the weights of a transformers ``LlamaForCausalLM``,
+        ``Qwen3ForCausalLM`` or ``MistralForCausalLM``, computing the same logits; in
+        eval mode, on the model's device and in its dtype. A config it cannot reproduce
+        raises (see :func:`~attnbook.modern.gpt_arguments`)."""
+        gpt = cls(**gpt_arguments(model))
+        parameter = next(model.parameters())
+        gpt.to(device=parameter.device, dtype=parameter.dtype)
+        return copy_weights(gpt, gpt_weights(model)).eval()
 
     def set_rope_scaling(
         self,
@@ -195,7 +252,7 @@ class GPT(nn.Module):
         return make_caches(
             len(self.blocks),
             batch_size,
-            self.num_heads,
+            self.num_kv_heads,  # num_heads unless grouped
             self.max_len,
             head_dim,
             window=self.window,

@@ -16,6 +16,7 @@ from torch import nn
 
 from .attention import _attention, check_mask, scaled_dot_product_attention
 from .masks import attention_mask_for_heads
+from .modern import RMSNorm
 from .positions import _check_rope_scaling, apply_rope
 from .utils import check_positive_int
 
@@ -24,6 +25,7 @@ __all__ = [
     "RotaryMultiHeadAttention",
     "WideMultiHeadAttention",
     "merge_heads",
+    "repeat_kv",
     "split_heads",
 ]
 
@@ -47,12 +49,26 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, T, h * head_dim)  # (B, T, d)
 
 
+def repeat_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
+    """``(B, h_kv, T, d/h)`` -> ``(B, h_kv * repeats, T, d/h)``: each key or value head
+    repeated for the ``repeats`` query heads it serves (head ``g`` for query heads ``g
+    repeats .. g repeats + repeats - 1``), as transformers' ``repeat_kv``."""
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
+
+
 class MultiHeadAttention(nn.Module):
     """``h`` heads of scaled dot-product attention on ``d_model / h`` slices,
     concatenated and mixed by ``W_o``.
 
     Four ``nn.Linear`` layers ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: ``4 (d^2
     + d)`` parameters (with bias) whatever ``num_heads`` is.
+
+    Grouped-query attention (chapter 17): with ``num_kv_heads`` (a divisor of
+    ``num_heads``; 1 is multi-query attention) ``k_proj`` and ``v_proj`` give only
+    ``num_kv_heads`` heads, a cache stores only those, and each serves ``num_heads /
+    num_kv_heads`` query heads (:func:`repeat_kv`). With ``qk_norm`` an
+    :class:`~attnbook.modern.RMSNorm` over ``d / h`` (``q_norm``, ``k_norm``)
+    normalises each head's queries and keys before any rotation (Qwen3).
 
     ``forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask=None)`` returns
     ``(out (B, Tq, d), weights (B, h, Tq, Tk))``. With ``need_weights=False`` the fused
@@ -66,7 +82,15 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, num_heads: int, bias: bool = True, dropout: float = 0.0
+        self,
+        d_model: int,
+        num_heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
+        *,
+        num_kv_heads: int | None = None,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
     ):
         super().__init__()
         d_model, num_heads = (
@@ -76,6 +100,15 @@ class MultiHeadAttention(nn.Module):
         if d_model % num_heads != 0:
             raise ValueError(
                 f"d_model={d_model} is not divisible by num_heads={num_heads}"
+            )
+        num_kv_heads = (
+            num_heads
+            if num_kv_heads is None
+            else check_positive_int("num_kv_heads", num_kv_heads)
+        )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
             )
         if (
             isinstance(dropout, bool)
@@ -88,11 +121,16 @@ class MultiHeadAttention(nn.Module):
             num_heads,
             d_model // num_heads,
         )
+        self.num_kv_heads = num_kv_heads
         self.dropout = float(dropout)
+        kv_width = num_kv_heads * self.head_dim  # d_model unless grouped
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.v_proj = nn.Linear(d_model, kv_width, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        # QK-norm: None without it
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
 
     def _check_inputs(self, query, key, value):
         # self-attention passes one tensor three times: check it once
@@ -122,6 +160,12 @@ class MultiHeadAttention(nn.Module):
                 f"{value.shape[1]}"
             )
 
+    def _heads(self, x: torch.Tensor, num_heads: int, norm: nn.Module | None):
+        """``(B, T, num_heads * d/h)`` -> ``(B, num_heads, T, d/h)``, each head's
+        vectors RMS-normalised with QK-norm."""
+        heads = split_heads(x, num_heads)
+        return heads if norm is None else norm(heads)
+
     def project_queries_keys(self, q: torch.Tensor, k: torch.Tensor, start: int):
         """Hook for position schemes that act on per-head queries and keys (RoPE);
         identity here."""
@@ -142,17 +186,22 @@ class MultiHeadAttention(nn.Module):
         self._check_inputs(query, key, value)
         B = query.shape[0]
         start = cache.length if cache is not None and not cache.static else 0
-        q = split_heads(self.q_proj(query), self.num_heads)  # (B, h, Tq, d/h)
+        # (B, h, Tq, d/h)
+        q = self._heads(self.q_proj(query), self.num_heads, self.q_norm)
         if cache is not None and cache.static and cache.length > 0:
             # computed once
             k, v = cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]
         else:
-            k = split_heads(self.k_proj(key), self.num_heads)  # (B, h, Tk, d/h)
-            v = split_heads(self.v_proj(value), self.num_heads)  # (B, h, Tk, d/h)
+            # (B, h_kv, Tk, d/h): h_kv = h unless grouped
+            k = self._heads(self.k_proj(key), self.num_kv_heads, self.k_norm)
+            v = split_heads(self.v_proj(value), self.num_kv_heads)
             q, k = self.project_queries_keys(q, k, start)
             if cache is not None:
-                # all keys/values so far: (B, h, start + Tk, d/h)
+                # all keys/values so far: (B, h_kv, start + Tk, d/h)
                 k, v = cache.append(k, v)
+        # (B, h, Tk, d/h): each key/value head serves h / h_kv query heads
+        groups = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         mask = attention_mask_for_heads(
             mask, key_padding_mask, B, q.shape[2], k.shape[2]
         )
@@ -174,6 +223,11 @@ class MultiHeadAttention(nn.Module):
                 f"reference has embed_dim={reference.embed_dim}, "
                 f"num_heads={reference.num_heads}; "
                 f"this module has d_model={self.d_model}, num_heads={self.num_heads}"
+            )
+        if self.num_kv_heads != self.num_heads or self.q_norm is not None:
+            raise ValueError(
+                "nn.MultiheadAttention has neither grouped keys and values nor "
+                "QK-norm: build this module with num_kv_heads=None, qk_norm=False"
             )
         if not reference._qkv_same_embed_dim:
             raise ValueError("reference must have kdim == vdim == embed_dim")
@@ -257,12 +311,33 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
     head's queries and keys, so the scores depend on relative position only. Same
     arguments and shapes.
 
-    :meth:`set_rope_scaling` stretches the rotations for inputs longer than the trained
-    length (``scale``, ``method``, ``original_length`` as in
+    ``rope_base`` is the base of the angles ``theta_i = base^(-2i/d)`` (10000, Llama 3's
+    500000). :meth:`set_rope_scaling` stretches the rotations for inputs longer than the
+    trained length (``scale``, ``method``, ``original_length`` as in
     :func:`~attnbook.positions.rope_angles`); the default, ``scale=1.0``, is plain
     RoPE."""
 
     rope_scale, rope_method, rope_original_length = 1.0, "linear", None
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
+        *,
+        rope_base: float = 10000.0,
+        **options,
+    ):
+        # options: MultiHeadAttention's num_kv_heads, qk_norm, qk_norm_eps
+        super().__init__(d_model, num_heads, bias, dropout, **options)
+        if (
+            isinstance(rope_base, bool)
+            or not isinstance(rope_base, (int, float))
+            or not 1 < rope_base < float("inf")
+        ):
+            raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
+        self.rope_base = float(rope_base)
 
     def set_rope_scaling(
         self,
@@ -286,11 +361,13 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
                 "RotaryMultiHeadAttention is for self-attention (queries and keys from "
                 "one sequence)"
             )
-        if self.rope_scale == 1.0:
-            return apply_rope(q, start), apply_rope(k, start)
-        scaling = dict(
-            scale=self.rope_scale,
-            method=self.rope_method,
-            original_length=self.rope_original_length,
-        )
-        return apply_rope(q, start, **scaling), apply_rope(k, start, **scaling)
+        scaling = {}  # plain RoPE
+        if self.rope_scale != 1.0:
+            scaling = dict(
+                scale=self.rope_scale,
+                method=self.rope_method,
+                original_length=self.rope_original_length,
+            )
+        q = apply_rope(q, start, self.rope_base, **scaling)
+        k = apply_rope(k, start, self.rope_base, **scaling)
+        return q, k

@@ -63,6 +63,14 @@ def check_positive_int(name: str, value) -> int:
     return int(value)
 
 
+def check_eps(eps, name: str = "eps") -> float:
+    """``eps`` as a ``float`` if it is a positive number (a norm's epsilon); otherwise a
+    ``ValueError`` naming ``name`` and the value."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{name} must be a positive number, got {eps!r}")
+    return float(eps)
+
+
 def check_non_negative_int(name: str, value) -> int:
     """``value`` as an ``int`` if it is an integer ``>= 0`` (a NumPy integer counts, a
     bool does not); otherwise a ``ValueError`` naming ``name`` and the value."""
@@ -264,6 +272,7 @@ def copy_weights(
 
 __all__ = [
     "Listing",
+    "check_eps",
     "check_non_negative_int",
     "check_positive_int",
     "check_token_ids",
