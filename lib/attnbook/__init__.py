@@ -3,12 +3,17 @@
 One module per concept, each standing on the ones before (imports only go downward):
 utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
 with modern (chapter 17: RMSNorm, SwiGLU, RoPE's two layouts, reading transformers'
-Llama, Qwen3 and Mistral; below multihead), data and train (datasets, the training
-loop), cost (formulas, timing), measure (timing helpers), bert (MiniLM-L6 in our
-encoder), vit (chapter 9), audio, whisper, ctc and metrics (chapter 10), flash (chapter
-15: FlashAttention), interpretability (chapter 16: induction heads), distributed (the
-appendix: DDP and FSDP on gloo, imported on its own as ``attnbook.distributed``) and
-bench (``python -m attnbook.bench``).
+Llama, Qwen3, Mistral and DeepSeek-V3; below multihead), data and train (datasets, the
+training loop), cost (formulas, timing), measure (timing helpers), bert (MiniLM-L6 in
+our encoder), vit (chapter 9), audio, whisper, ctc and metrics (chapter 10), flash
+(chapter 15: FlashAttention), interpretability (chapter 16: induction heads), latent
+(chapter 18: DeepSeek's multi-head latent attention; between multihead and models),
+experts (chapter 19: mixture of experts, reading transformers' Mixtral; between modern
+and blocks),
+linear (chapter 20: linear attention; above multihead), ssm (chapter 20: a Mamba
+block; on utils alone),
+distributed (the appendix: DDP and FSDP on gloo, imported on its own as
+``attnbook.distributed``) and bench (``python -m attnbook.bench``).
 """
 
 from . import (
@@ -17,6 +22,7 @@ from . import (
     cost,
     ctc,
     data,
+    experts,
     measure,
     metrics,
     modern,
@@ -34,24 +40,40 @@ from .attention import (
 from .audio import log_mel_spectrogram
 from .bert import BertEncoder, load_minilm
 from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
-from .caches import KVCache, RollingKVCache, make_caches
+from .caches import (
+    BlockPool,
+    KVCache,
+    LatentKVCache,
+    PagedKVCache,
+    QuantizedKVCache,
+    QuantizedTensor,
+    RollingKVCache,
+    dequantize_kv,
+    make_caches,
+    paged_memory_waste,
+    quantize_kv,
+)
 from .ctc import (
     ctc_best_alignment,
     ctc_log_alpha,
     ctc_loss,
     ctc_prefix_beam_search,
 )
+from .experts import MoEFeedForward
 from .flash import flash_attention
 from .generation import (
     SpeculativeStats,
     beam_search,
     generate,
+    generate_paged,
     next_token,
     sampling_probabilities,
     speculative_generate,
     truncate_logits,
 )
 from .interpretability import induction_score, previous_token_score
+from .latent import MultiHeadLatentAttention
+from .linear import LinearAttention, linear_attention, linear_attention_recurrent
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .models import (
     GPT,
@@ -83,6 +105,7 @@ from .positions import (
     yarn_attention_factor,
 )
 from .speech import CTCModel, Seq2SeqSpeechModel
+from .ssm import MambaBlock
 from .utils import (
     device,
     generator,
@@ -98,6 +121,7 @@ from .whisper import Transcriber, Whisper, load_whisper_tiny_en
 __all__ = [
     "AdditiveAttention",
     "BertEncoder",
+    "BlockPool",
     "CTCModel",
     "DecoderBlock",
     "DecoderOnlyBlock",
@@ -107,9 +131,17 @@ __all__ = [
     "FeedForward",
     "GPT",
     "KVCache",
+    "LatentKVCache",
     "LearnedPositions",
+    "LinearAttention",
+    "MambaBlock",
+    "MoEFeedForward",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "PagedKVCache",
     "PatchEmbedding",
+    "QuantizedKVCache",
+    "QuantizedTensor",
     "RMSNorm",
     "RollingKVCache",
     "RotaryMultiHeadAttention",
@@ -138,12 +170,17 @@ __all__ = [
     "ctc_loss",
     "ctc_prefix_beam_search",
     "data",
+    "dequantize_kv",
     "device",
+    "experts",
     "flash_attention",
     "generate",
+    "generate_paged",
     "generator",
     "induction_score",
     "interpolate_grid",
+    "linear_attention",
+    "linear_attention_recurrent",
     "load_minilm",
     "load_whisper_tiny_en",
     "log_length_scale",
@@ -159,8 +196,10 @@ __all__ = [
     "next_token",
     "on_gpu",
     "padding_mask",
+    "paged_memory_waste",
     "previous_token_score",
     "progress",
+    "quantize_kv",
     "repeat_kv",
     "rope_angles",
     "rope_scores",

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .experts import moe_feed_forward
 from .modern import RMSNorm, SwiGLU
 from .multihead import MultiHeadAttention
 from .utils import check_positive_int
@@ -166,7 +167,10 @@ class DecoderOnlyBlock(EncoderBlock):
     ``activation="swiglu"`` (:class:`~attnbook.modern.SwiGLU` of width ``hidden``,
     ``8 d / 3`` by default), ``bias=False`` (no bias in the attention's and the
     feed-forward network's linear layers) and ``attention_options`` for
-    ``attention_class`` (``num_kv_heads``, ``qk_norm``, ``rope_base``, ...). The
+    ``attention_class`` (``num_kv_heads``, ``qk_norm``, ``rope_base``, ...).
+    ``experts=dict(num_experts=..., top_k=2, capacity_factor=None)`` (chapter 19, with
+    ``activation="swiglu"``) makes the feed-forward network a
+    :class:`~attnbook.experts.MoEFeedForward` of width ``hidden``. The
     defaults build :class:`EncoderBlock`'s modules, in its order.
     """
 
@@ -182,6 +186,7 @@ class DecoderOnlyBlock(EncoderBlock):
         layer_norm_eps=1e-5,
         attention_class=MultiHeadAttention,
         bias=True,
+        experts=None,
         **attention_options,
     ):
         nn.Module.__init__(self)  # EncoderBlock's modules, built here
@@ -196,7 +201,11 @@ class DecoderOnlyBlock(EncoderBlock):
         self.self_attention = attention_class(
             d_model, num_heads, bias=bias, dropout=dropout, **attention_options
         )
-        self.feed_forward = _feed_forward(d_model, hidden, activation, dropout, bias)
+        self.feed_forward = (
+            _feed_forward(d_model, hidden, activation, dropout, bias)
+            if experts is None  # else a mixture of SwiGLU experts (chapter 19)
+            else moe_feed_forward(d_model, hidden, experts, activation, bias, dropout)
+        )
         self.norm1 = _norm(norm, d_model, layer_norm_eps)
         self.norm2 = _norm(norm, d_model, layer_norm_eps)
         self.dropout1 = dropout_layer(dropout)

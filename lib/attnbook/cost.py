@@ -28,7 +28,10 @@ a recurrent layer needs ``n`` of them, one per token.
 
 Memory: the attention weights are ``h n^2`` numbers per layer and sequence
 (:func:`attention_weights_bytes`); a KV cache of ``T`` tokens is ``2 * layers * T * d``
-numbers per sequence (:func:`kv_cache_bytes`).
+numbers per sequence (:func:`kv_cache_bytes`); per token and layer
+:func:`kv_bytes_per_token` (multi-head, grouped-query, multi-query attention) and
+:func:`latent_kv_bytes_per_token` (multi-head latent attention, chapter 18, whose
+decoding FLOPs :func:`latent_decode_flops` counts in its two modes).
 
 Measuring what these formulas predict (timing, peak memory, fitting a power law) is
 :mod:`attnbook.measure`'s job.
@@ -154,6 +157,61 @@ def max_path_length(kind: str, n: int) -> int:
     raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
 
 
+LATENT_MODES = ("expanded", "absorbed")
+
+
+def latent_decode_flops(
+    context_len: int,
+    d_model: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    *,
+    q_lora_rank: int | None = None,
+    mode: str = "expanded",
+) -> int:
+    """FLOPs of one layer of multi-head latent attention
+    (:class:`~attnbook.latent.MultiHeadLatentAttention`) for one decoded token that
+    attends to ``n = context_len`` tokens (itself included), their latents cached.
+
+    With ``d`` = ``d_model``, ``h`` heads, ``r`` = ``kv_lora_rank``, ``r_h`` =
+    ``qk_rope_head_dim``, ``n_h`` = ``qk_nope_head_dim``, ``v`` = ``v_head_dim``, both
+    modes pay the new token's projections: its query ``2 d h (n_h + r_h)`` (or ``2 d
+    q_r + 2 q_r h (n_h + r_h)`` with ``q_lora_rank = q_r``), its latent and RoPE key
+    ``2 d (r + r_h)``, the output ``2 h v d``. Then
+
+    - ``"expanded"``: up-project every cached latent to keys and values ``2 n r h (n_h
+      + v)``, scores ``2 n h (n_h + r_h)``, weighted sum ``2 n h v``;
+    - ``"absorbed"``: fold ``W_UK`` into the query ``2 h n_h r``, scores over the
+      latents ``2 n h (r + r_h)``, latent-weighted sum ``2 n h r``, ``W_UV`` on it ``2 h
+      r v``.
+
+    Per context token that is ``2 h (r (n_h + v) + n_h + r_h + v)`` expanded against
+    ``2 h (2 r + r_h)`` absorbed. Matrix products only, as everywhere in this module
+    (the RMSNorms, RoPE and softmax are left out).
+    """
+    n = check_positive_int("context_len", context_len)
+    d = check_positive_int("d_model", d_model)
+    h = check_positive_int("num_heads", num_heads)
+    r = check_positive_int("kv_lora_rank", kv_lora_rank)
+    r_h = check_positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    n_h = check_positive_int("qk_nope_head_dim", qk_nope_head_dim)
+    v = check_positive_int("v_head_dim", v_head_dim)
+    if mode not in LATENT_MODES:
+        raise ValueError(f"mode must be one of {LATENT_MODES}, got {mode!r}")
+    if q_lora_rank is None:
+        query = 2 * d * h * (n_h + r_h)
+    else:
+        q_r = check_positive_int("q_lora_rank", q_lora_rank)
+        query = 2 * d * q_r + 2 * q_r * h * (n_h + r_h)
+    projections = query + 2 * d * (r + r_h) + 2 * h * v * d
+    if mode == "expanded":
+        return projections + 2 * n * h * (r * (n_h + v) + n_h + r_h + v)
+    return projections + 2 * h * n_h * r + 2 * n * h * (2 * r + r_h) + 2 * h * r * v
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -199,6 +257,32 @@ def kv_cache_bytes(
     return check_positive_int("batch_size", batch_size) * 2 * layers * T * d * size
 
 
+def kv_bytes_per_token(
+    num_kv_heads: int, head_dim: int, bytes_per_element: int = 4
+) -> int:
+    """Bytes a KV cache holds per token and layer: ``2 * num_kv_heads * head_dim *
+    bytes`` (a key and a value for each key/value head). Multi-head attention has
+    ``num_kv_heads = h`` (``2 d`` numbers), grouped-query attention a divisor of ``h``,
+    multi-query attention 1. Times layers and tokens: :func:`kv_cache_bytes`."""
+    heads = check_positive_int("num_kv_heads", num_kv_heads)
+    head_dim = check_positive_int("head_dim", head_dim)
+    size = check_positive_int("bytes_per_element", bytes_per_element)
+    return 2 * heads * head_dim * size
+
+
+def latent_kv_bytes_per_token(
+    kv_lora_rank: int, qk_rope_head_dim: int, bytes_per_element: int = 4
+) -> int:
+    """Bytes a multi-head latent attention cache
+    (:class:`~attnbook.caches.LatentKVCache`) holds per token and layer: ``(kv_lora_rank
+    + qk_rope_head_dim) * bytes``, one latent and one RoPE key shared by every head.
+    DeepSeek-V3 (``512 + 64``, bf16): 1152 bytes, as much as grouped-query attention
+    with 2.25 key/value heads of 128."""
+    r = check_positive_int("kv_lora_rank", kv_lora_rank)
+    rope = check_positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    return (r + rope) * check_positive_int("bytes_per_element", bytes_per_element)
+
+
 def num_patches(image_size: int | tuple[int, int], patch_size: int) -> int:
     """Tokens of a ViT: an ``H x W`` image cut into ``p x p`` patches gives ``(H / p)(W
     / p)`` tokens (``image_size`` is ``H`` for a square image, or ``(H, W)``). ``H`` and
@@ -221,6 +305,7 @@ def num_patches(image_size: int | tuple[int, int], patch_size: int) -> int:
 
 
 __all__ = [
+    "LATENT_MODES",
     "LAYER_KINDS",
     "attention_core_flops",
     "attention_layer_flops",
@@ -230,7 +315,10 @@ __all__ = [
     "attention_weights_bytes",
     "crossover_length",
     "ffn_flops",
+    "kv_bytes_per_token",
     "kv_cache_bytes",
+    "latent_decode_flops",
+    "latent_kv_bytes_per_token",
     "layer_crossover_length",
     "max_path_length",
     "num_patches",

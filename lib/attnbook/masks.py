@@ -88,11 +88,24 @@ def causal_mask(n: int, device=None, *, key_len: int | None = None) -> torch.Ten
     return key_minus_query(n, key_len, device=device) > 0  # the key is in the future
 
 
+def check_sink_tokens(sink_tokens, window: int) -> int:
+    """``sink_tokens`` as an int in ``[0, window)`` (a window that counts its attention
+    sinks keeps room for the query itself); otherwise a ``ValueError`` naming both."""
+    sink_tokens = check_non_negative_int("sink_tokens", sink_tokens)
+    if sink_tokens >= window:
+        raise ValueError(
+            f"sink_tokens={sink_tokens} must be smaller than window={window}: the "
+            "window counts the sinks and keeps room for the query itself"
+        )
+    return sink_tokens
+
+
 def sliding_window_mask(
     query_len: int,
     key_len: int | None = None,
     window: int | None = None,
     *,
+    sink_tokens: int = 0,
     device=None,
 ) -> torch.Tensor:
     """``(query_len, key_len)`` bool mask for local (sliding-window) causal attention,
@@ -103,6 +116,11 @@ def sliding_window_mask(
     query_len + t``), so it also serves queries arriving after a cache; ``key_len``
     defaults to ``query_len``. With ``window >= key_len`` it equals
     ``causal_mask(query_len, key_len=key_len)``.
+
+    With ``sink_tokens = S > 0`` (StreamingLLM's attention sinks) the first ``S`` keys
+    stay visible to every later query, and the window counts them: a query sees the
+    ``S`` sinks, itself and the ``window - S - 1`` keys before it (``S < window``). A
+    rolling cache with sinks returns its sinks first, so the same rule serves it.
     """
     query_len = check_positive_int("query_len", query_len)
     key_len = query_len if key_len is None else check_positive_int("key_len", key_len)
@@ -112,8 +130,12 @@ def sliding_window_mask(
             "1)"
         )
     window = check_positive_int("window", window)
+    sink_tokens = check_sink_tokens(sink_tokens, window)
     offset = key_minus_query(query_len, key_len, device=device)  # (Tq, Tk)
-    return (offset > 0) | (offset <= -window)  # future, or too far back
+    too_far = offset <= -(window - sink_tokens)  # (Tq, Tk): out of the rolling part
+    if sink_tokens:  # ... unless a sink
+        too_far &= torch.arange(key_len, device=device) >= sink_tokens
+    return (offset > 0) | too_far  # future, or too far back
 
 
 def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
@@ -245,6 +267,7 @@ __all__ = [
     "causal_first_query",
     "causal_key_stop",
     "causal_mask",
+    "check_sink_tokens",
     "combine_masks",
     "key_minus_query",
     "mask_future_",

@@ -28,8 +28,10 @@ from torch import nn
 
 from .blocks import DecoderBlock, DecoderOnlyBlock, dropout_layer, stack_blocks
 from .caches import make_caches
-from .masks import sliding_window_mask
-from .modern import RMSNorm, gpt_arguments, gpt_weights
+from .experts import gpt_arguments, gpt_weights
+from .latent import MultiHeadLatentAttention
+from .masks import check_sink_tokens, sliding_window_mask
+from .modern import RMSNorm
 from .multihead import MultiHeadAttention, RotaryMultiHeadAttention
 from .positions import LearnedPositions, SinusoidalPositions, alibi_bias
 from .utils import check_eps, check_positive_int, check_token_ids, copy_weights
@@ -120,6 +122,39 @@ def _block_options(positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, 
     return options
 
 
+def _latent_options(options: dict, mla: dict, positions, window) -> dict:
+    """The block keywords of a GPT with multi-head latent attention: ``mla``'s (the
+    :class:`~attnbook.latent.MultiHeadLatentAttention` keywords) with the norms' eps,
+    the biases and RoPE's base; grouped heads, QK-norm and a window are refused."""
+    if not isinstance(mla, dict):
+        raise TypeError(f"mla must be a dict of keywords, got {type(mla).__name__}")
+    if positions != "rope":
+        raise ValueError(
+            f"mla needs positions='rope' (its decoupled RoPE key), got {positions!r}"
+        )
+    if window is not None or options["num_kv_heads"] is not None or options["qk_norm"]:
+        raise ValueError(
+            "mla shares one latent across the heads and caches every token: build it "
+            f"with window=None, num_kv_heads=None, qk_norm=False (got window={window}, "
+            f"num_kv_heads={options['num_kv_heads']}, qk_norm={options['qk_norm']})"
+        )
+    shared = {key: options[key] for key in ("layer_norm_eps", "bias", "rope_base")}
+    return {**shared, **mla}
+
+
+def _check_sinks(sink_tokens, window, positions) -> int:
+    """``sink_tokens`` checked: an int in ``[0, window)``, and none without a window or
+    with ALiBi (whose distances the rolling cache's gap after the sinks would hide)."""
+    if window is None or (positions == "alibi" and sink_tokens):
+        if sink_tokens == 0 and not isinstance(sink_tokens, bool):
+            return 0
+        raise ValueError(
+            f"sink_tokens={sink_tokens!r} needs a window and positions other than "
+            f"'alibi', got window={window}, positions={positions!r}"
+        )
+    return check_sink_tokens(sink_tokens, window)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: token + learned position embeddings, causal blocks,
     next-token head.
@@ -137,7 +172,11 @@ class GPT(nn.Module):
     :func:`~attnbook.positions.alibi_bias`) or ``"none"`` (NoPE: causal attention
     alone). With ``window`` each token attends to itself and the ``window - 1`` tokens
     before it (:func:`~attnbook.masks.sliding_window_mask`), and :meth:`make_caches`
-    gives rolling caches of ``window`` entries.
+    gives rolling caches of ``window`` entries. ``sink_tokens=S`` (with a ``window``,
+    ``S < window``; chapter 18) keeps StreamingLLM's attention sinks: every token also
+    sees the first ``S`` tokens, and the window counts them (a token sees the sinks,
+    itself and the ``window - S - 1`` tokens before it), so the rolling caches still
+    hold ``window`` entries; keys keep their original positions.
 
     Today's decoders (chapter 17) differ by keywords: ``norm="rms"`` (pre-norm with
     RMSNorm, eps ``norm_eps``), ``activation="swiglu"`` (``hidden`` is its width),
@@ -145,6 +184,19 @@ class GPT(nn.Module):
     ``qk_norm``, ``rope_base``, ``bias=False`` (no bias in the attention and
     feed-forward layers) and ``tie_embeddings`` (the output head is the token
     embedding). :meth:`from_transformers` builds one from a Llama, Qwen3 or Mistral.
+
+    ``mla=dict(kv_lora_rank=..., qk_rope_head_dim=..., qk_nope_head_dim=...,
+    v_head_dim=..., q_lora_rank=None, mode="expanded")`` (chapter 18, with
+    ``positions="rope"``) makes every layer's attention DeepSeek's
+    :class:`~attnbook.latent.MultiHeadLatentAttention`, and :meth:`make_caches` gives
+    :class:`~attnbook.caches.LatentKVCache` s; :meth:`from_transformers` builds one
+    from a DeepSeek-V3 whose layers are all dense.
+
+    ``experts=dict(num_experts=..., top_k=2, capacity_factor=None)`` (chapter 19, with
+    ``activation="swiglu"``) makes every feed-forward network a
+    :class:`~attnbook.experts.MoEFeedForward` of ``hidden``-wide SwiGLU experts
+    (:func:`attnbook.experts.aux_loss` sums their load-balancing losses);
+    :meth:`from_transformers` builds one from a Mixtral.
     """
 
     def __init__(
@@ -161,12 +213,15 @@ class GPT(nn.Module):
         activation="gelu",
         positions="learned",
         window=None,
+        sink_tokens=0,
         norm_eps=None,
         num_kv_heads=None,
         qk_norm=False,
         rope_base=10000.0,
         bias=True,
         tie_embeddings=False,
+        mla=None,
+        experts=None,
     ):
         super().__init__()
         _check_sizes(
@@ -181,6 +236,7 @@ class GPT(nn.Module):
                 f"positions must be one of {GPT_POSITIONS}, got {positions!r}"
             )
         self.window = None if window is None else check_positive_int("window", window)
+        self.sink_tokens = _check_sinks(sink_tokens, self.window, positions)
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.position_scheme = positions
@@ -195,6 +251,13 @@ class GPT(nn.Module):
         attention_class = (
             RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
         )
+        options = _block_options(
+            positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, bias
+        )
+        if mla is not None:  # multi-head latent attention (chapter 18)
+            attention_class = MultiHeadLatentAttention
+            options = _latent_options(options, mla, positions, window)
+        self.mla = None if mla is None else dict(mla)
         self.blocks = stack_blocks(
             num_layers,
             d_model,
@@ -205,9 +268,8 @@ class GPT(nn.Module):
             activation=activation,
             norm=norm,
             attention_class=attention_class,
-            **_block_options(
-                positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, bias
-            ),
+            experts=experts,
+            **options,
         )
         self.final_norm = _final_norm(norm, d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
@@ -217,9 +279,11 @@ class GPT(nn.Module):
     @classmethod
     def from_transformers(cls, model) -> GPT:
         """A GPT with the weights of a transformers ``LlamaForCausalLM``,
-        ``Qwen3ForCausalLM`` or ``MistralForCausalLM``, computing the same logits; in
+        ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``DeepseekV3ForCausalLM``
+        (dense layers only) or ``MixtralForCausalLM``, computing the same logits; in
         eval mode, on the model's device and in its dtype. A config it cannot reproduce
-        raises (see :func:`~attnbook.modern.gpt_arguments`)."""
+        raises (see :func:`~attnbook.modern.gpt_arguments`,
+        :func:`~attnbook.experts.gpt_arguments`)."""
         gpt = cls(**gpt_arguments(model))
         parameter = next(model.parameters())
         gpt.to(device=parameter.device, dtype=parameter.dtype)
@@ -242,12 +306,33 @@ class GPT(nn.Module):
             block.self_attention.set_rope_scaling(scale, method, original_length)
         return self
 
-    def make_caches(self, batch_size: int, device=None, dtype=None):
+    def make_caches(
+        self,
+        batch_size: int,
+        device=None,
+        dtype=None,
+        *,
+        kv_bits: int | tuple[int, int] | None = None,
+        group_size: int = 32,
+    ):
         """One preallocated :class:`~attnbook.caches.KVCache` per layer, for up to
         ``max_len`` tokens (on the model's device and in its dtype unless given; the
         first keys decide in the end); with a ``window``, one
-        :class:`~attnbook.caches.RollingKVCache` of ``window`` entries per layer."""
+        :class:`~attnbook.caches.RollingKVCache` of ``window`` entries per layer; with
+        ``mla``, one :class:`~attnbook.caches.LatentKVCache` per layer; with
+        ``kv_bits`` (``bits`` or ``(key_bits, value_bits)``, 4 or 8), one
+        :class:`~attnbook.caches.QuantizedKVCache` per layer (KIVI's: keys per channel,
+        values per token, in groups of ``group_size`` tokens)."""
+        if kv_bits is not None and self.mla is not None:
+            raise ValueError("kv_bits quantises keys and values, not mla's latents")
         device, dtype = _device_and_dtype(self, device, dtype)
+        if self.mla is not None:  # one LatentKVCache per layer
+            return [
+                block.self_attention.make_cache(
+                    batch_size, self.max_len, device=device, dtype=dtype
+                )
+                for block in self.blocks
+            ]
         head_dim = self.token_embedding.embedding_dim // self.num_heads
         return make_caches(
             len(self.blocks),
@@ -258,6 +343,9 @@ class GPT(nn.Module):
             window=self.window,
             device=device,
             dtype=dtype,
+            sink_tokens=self.sink_tokens,
+            kv_bits=kv_bits,
+            group_size=group_size,
         )
 
     @property
@@ -280,7 +368,13 @@ class GPT(nn.Module):
         mask = (
             None
             if self.window is None
-            else sliding_window_mask(query_len, key_len, self.window, device=device)
+            else sliding_window_mask(
+                query_len,
+                key_len,
+                self.window,
+                sink_tokens=self.sink_tokens,
+                device=device,
+            )
         )
         if self.position_scheme != "alibi":
             return mask  # (Tq, Tk) bool

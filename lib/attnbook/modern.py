@@ -14,7 +14,8 @@ into a Llama-style one, and the bridge from transformers' Llama, Qwen3 and Mistr
 - :func:`decoder_parameters`: the parameter count of such a decoder.
 - :func:`gpt_arguments` and :func:`gpt_weights`: what
   :meth:`GPT.from_transformers <attnbook.models.GPT.from_transformers>` reads from a
-  ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM``.
+  ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM`` (and, for
+  chapter 18, a dense ``DeepseekV3ForCausalLM``: multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -151,7 +152,12 @@ def decoder_parameters(
 # --- reading transformers' Llama, Qwen3 and Mistral
 # ----------------------------------------------------------------------------------
 
-SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_MODELS = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 LAYER_NAMES = {  # their module in a layer -> ours in a block
     "self_attn.q_proj": "self_attention.q_proj",
     "self_attn.k_proj": "self_attention.k_proj",
@@ -164,6 +170,15 @@ LAYER_NAMES = {  # their module in a layer -> ours in a block
     "mlp.down_proj": "feed_forward.down_proj",
     "input_layernorm": "norm1",
     "post_attention_layernorm": "norm2",
+}
+LATENT_NAMES = {  # DeepSeek-V3's attention modules -> MultiHeadLatentAttention's
+    "self_attn.q_proj": "self_attention.q_proj",
+    "self_attn.q_a_proj": "self_attention.q_down",
+    "self_attn.q_a_layernorm": "self_attention.q_norm",
+    "self_attn.q_b_proj": "self_attention.q_up",
+    "self_attn.kv_a_layernorm": "self_attention.kv_norm",
+    "self_attn.kv_b_proj": "self_attention.kv_up",
+    "self_attn.o_proj": "self_attention.out_proj",
 }
 
 
@@ -208,11 +223,59 @@ def _window(config) -> int | None:
     return window if kinds == {"sliding_attention"} else None
 
 
+def _deepseek_arguments(config, tied: bool) -> dict:
+    """:func:`gpt_arguments` of a ``DeepseekV3ForCausalLM``: multi-head latent
+    attention (``mla=``), dense SwiGLU layers only."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    dense = config.first_k_dense_replace
+    if dense is None or dense < layers:
+        raise ValueError(
+            f"first_k_dense_replace={dense} < num_hidden_layers={layers}: the layers "
+            "from there on are mixture-of-experts (chapter 19); a GPT reads a DeepSeek "
+            "whose layers are all dense"
+        )
+    if config.num_key_value_heads != heads:
+        raise ValueError(
+            f"num_key_value_heads={config.num_key_value_heads} differs from "
+            f"num_attention_heads={heads}: latent attention expands one key and "
+            "value per query head"
+        )
+    if config.attention_bias:
+        raise ValueError(
+            "attention_bias=True: a GPT's bias= would also give the SwiGLU biases, "
+            "which DeepSeek's has not"
+        )
+    return dict(
+        vocab_size=config.vocab_size,
+        d_model=config.hidden_size,
+        num_heads=heads,
+        num_layers=layers,
+        max_len=config.max_position_embeddings,
+        hidden=config.intermediate_size,
+        norm="rms",
+        norm_eps=config.rms_norm_eps,
+        activation="swiglu",
+        positions="rope",
+        rope_base=_rope_base(config),
+        bias=False,
+        tie_embeddings=tied,
+        mla=dict(
+            kv_lora_rank=config.kv_lora_rank,
+            q_lora_rank=config.q_lora_rank,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            v_head_dim=config.v_head_dim,
+        ),
+    )
+
+
 def gpt_arguments(model) -> dict:
     """The :class:`~attnbook.models.GPT` keywords that rebuild a transformers
     ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM``: RoPE,
     RMSNorm, SwiGLU, grouped-query attention, QK-norm for Qwen3, Mistral's sliding
-    window.
+    window; or a ``DeepseekV3ForCausalLM`` whose layers are all dense (multi-head
+    latent attention, ``mla=``; a mixture-of-experts layer, ``num_key_value_heads``
+    unlike ``num_attention_heads`` or ``attention_bias`` raise).
 
     Another model class raises a ``TypeError``; a config field we cannot reproduce
     (``hidden_act`` other than SiLU, a ``head_dim`` other than ``hidden_size /
@@ -221,12 +284,31 @@ def gpt_arguments(model) -> dict:
     unlike the weights) a ``ValueError`` naming it.
     """
     _check_model(model)
+    return _decoder_arguments(model)
+
+
+def _decoder_arguments(model) -> dict:
+    """:func:`gpt_arguments` without checking the model's class (chapter 19 reads a
+    Mixtral's attention with it)."""
     config = model.config
     d_model, heads = config.hidden_size, config.num_attention_heads
     if config.hidden_act != "silu":
         raise ValueError(
             f"hidden_act={config.hidden_act!r}: our SwiGLU gates with SiLU ('silu')"
         )
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"attention_dropout={config.attention_dropout}: a GPT's dropout also acts "
+            "outside the attention; set it to 0"
+        )
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    if bool(config.tie_word_embeddings) != tied:
+        raise ValueError(
+            f"tie_word_embeddings={config.tie_word_embeddings} but the model's output "
+            f"head is{'' if tied else ' not'} its input embedding"
+        )
+    if config.model_type == "deepseek_v3":
+        return _deepseek_arguments(config, tied)
     head_dim = getattr(config, "head_dim", None) or d_model // heads
     if head_dim * heads != d_model:
         raise ValueError(
@@ -239,17 +321,6 @@ def gpt_arguments(model) -> dict:
         raise ValueError(
             f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: a GPT's bias= "
             "covers the attention's and the feed-forward's linear layers together"
-        )
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(
-            f"attention_dropout={config.attention_dropout}: a GPT's dropout also acts "
-            "outside the attention; set it to 0"
-        )
-    tied = model.lm_head.weight is model.get_input_embeddings().weight
-    if bool(config.tie_word_embeddings) != tied:
-        raise ValueError(
-            f"tie_word_embeddings={config.tie_word_embeddings} but the model's output "
-            f"head is{'' if tied else ' not'} its input embedding"
         )
     return dict(
         vocab_size=config.vocab_size,
@@ -271,14 +342,48 @@ def gpt_arguments(model) -> dict:
     )
 
 
+def _latent_layer(layer, prefix: str, arguments: dict, interleaved: bool) -> dict:
+    """One DeepSeek-V3 layer's tensors under our names: ``kv_a_proj_with_mqa`` split
+    into ``kv_down`` (the latent's rows) and ``k_rope`` (the RoPE key's); with
+    ``rope_interleave=False`` the RoPE rows of the queries and of the key reordered by
+    :func:`rope_halves_to_pairs` (with ``True`` DeepSeek rotates pairs as we do)."""
+    mla, heads = arguments["mla"], arguments["num_heads"]
+    nope, rope = mla["qk_nope_head_dim"], mla["qk_rope_head_dim"]
+
+    def query_rows(w):  # (h (nope + rope), ...): each head's last rope rows reordered
+        if interleaved:
+            return w
+        rows = w.reshape(heads, nope + rope, *w.shape[1:])
+        rotary = rows[:, nope:].reshape(heads * rope, *w.shape[1:])
+        rotary = rope_halves_to_pairs(rotary, heads, rope).reshape(rows[:, nope:].shape)
+        return torch.cat([rows[:, :nope], rotary], dim=1).reshape(w.shape)
+
+    tensors = {}
+    for name, tensor in layer.state_dict().items():
+        module, parameter = name.rsplit(".", 1)
+        if module == "self_attn.kv_a_proj_with_mqa":
+            latent, rotary = tensor.split([mla["kv_lora_rank"], rope])
+            if not interleaved:
+                rotary = rope_halves_to_pairs(rotary, 1, rope)
+            tensors[f"{prefix}.self_attention.kv_down.{parameter}"] = latent
+            tensors[f"{prefix}.self_attention.k_rope.{parameter}"] = rotary
+            continue
+        if module in ("self_attn.q_proj", "self_attn.q_b_proj"):
+            tensor = query_rows(tensor)
+        ours = LATENT_NAMES.get(module) or LAYER_NAMES.get(module, module)
+        tensors[f"{prefix}.{ours}.{parameter}"] = tensor
+    return tensors
+
+
 def gpt_weights(model) -> dict[str, torch.Tensor]:
     """A transformers ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or
     ``MistralForCausalLM``'s tensors under the names of the
     :class:`~attnbook.models.GPT` that :func:`gpt_arguments` builds (for
     :func:`~attnbook.utils.copy_weights`), the rows of ``W_q``, ``W_k`` (their biases,
-    the QK-norm weights) reordered by :func:`rope_halves_to_pairs`."""
+    the QK-norm weights) reordered by :func:`rope_halves_to_pairs`; a
+    ``DeepseekV3ForCausalLM``'s too (see :func:`_latent_layer`)."""
     arguments = gpt_arguments(model)
-    heads, kv_heads = arguments["num_heads"], arguments["num_kv_heads"]
+    heads, kv_heads = arguments["num_heads"], arguments.get("num_kv_heads")
     head_dim = arguments["d_model"] // heads
     # the heads whose rows to reorder, per module (a norm over head_dim has one)
     rows = {
@@ -289,6 +394,10 @@ def gpt_weights(model) -> dict[str, torch.Tensor]:
     }
     tensors = {"token_embedding.weight": model.get_input_embeddings().weight}
     for i, layer in enumerate(model.model.layers):
+        if "mla" in arguments:  # DeepSeek-V3
+            interleaved = bool(model.config.rope_interleave)
+            tensors.update(_latent_layer(layer, f"blocks.{i}", arguments, interleaved))
+            continue
         for name, tensor in layer.state_dict().items():
             module, parameter = name.rsplit(".", 1)  # "self_attn.q_proj", "weight"
             if module in rows:
