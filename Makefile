@@ -104,9 +104,11 @@ unit: $(STAMP)
 
 # Two notebooks at a time (pytest-xdist, --dist loadscope keeps each notebook's cells on one worker and
 # in order), each kernel on one thread: the book's small models do not keep two threads busy, so on
-# 2 cores this takes about half the time of one notebook after another.
+# 2 cores this takes about half the time of one notebook after another. A kernel may take minutes
+# to start on a loaded machine: nbval would give up after 60 s.
 nbval: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env -n 2 --dist loadscope \
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-kernel-startup-timeout=600 \
+		-n 2 --dist loadscope \
 		--ignore=_build --ignore-glob='*.ipynb_checkpoints*' book/
 
 # Every claim must hold on every machine: each notebook is executed once more, into a temporary

@@ -104,7 +104,11 @@ def execute(path: Path, out_dir: Path | None = None, out_name: str | None = None
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     resources = {"metadata": {"path": str(path.parent)}}  # run with book/ as the working directory
-    client = NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False, resources=resources)
+    # a kernel may take minutes to start on a loaded machine (nbclient waits 60 s by default)
+    client = NotebookClient(
+        nb, timeout=900, startup_timeout=600, kernel_name="python3", record_timing=False,
+        resources=resources,
+    )
     client.execute()
     elapsed = time.perf_counter() - start
     tidy_streams(nb)

@@ -107,7 +107,11 @@ def run_one(path: Path, out: Path) -> int:
     from nbclient import NotebookClient
 
     resources = {"metadata": {"path": str(path.parent)}}  # cwd: the notebook's folder, as make execute
-    client = NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False, resources=resources)
+    # a kernel may take minutes to start on a loaded machine (nbclient waits 60 s by default)
+    client = NotebookClient(
+        nb, timeout=900, startup_timeout=600, kernel_name="python3", record_timing=False,
+        resources=resources,
+    )
     status = 0
     try:
         client.execute()
