@@ -304,13 +304,11 @@ def gpt_weights(model) -> dict[str, torch.Tensor]:
     arguments = gpt_arguments(model)
     heads, kv_heads = arguments["num_heads"], arguments["num_kv_heads"]
     head_dim = arguments["d_model"] // heads
-    tensors = {"token_embedding.weight": model.get_input_embeddings().weight}
-    for i, layer in enumerate(model.model.layers):
-        tensors.update(_mixtral_layer(layer, f"blocks.{i}", heads, kv_heads, head_dim))
-    tensors["final_norm.weight"] = model.model.norm.weight
-    if not arguments["tie_embeddings"]:
-        tensors["lm_head.weight"] = model.lm_head.weight
-    return tensors
+    return modern._decoder_tensors(
+        model,
+        arguments,
+        lambda layer, prefix: _mixtral_layer(layer, prefix, heads, kv_heads, head_dim),
+    )
 
 
 __all__ = [

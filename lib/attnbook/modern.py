@@ -223,6 +223,25 @@ def _window(config) -> int | None:
     return window if kinds == {"sliding_attention"} else None
 
 
+def _shared_arguments(config, *, bias: bool, tied: bool) -> dict:
+    """The GPT keywords every decoder we read shares: sizes, RMSNorm, SwiGLU, RoPE."""
+    return dict(
+        vocab_size=config.vocab_size,
+        d_model=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_layers=config.num_hidden_layers,
+        max_len=config.max_position_embeddings,
+        hidden=config.intermediate_size,
+        norm="rms",
+        norm_eps=config.rms_norm_eps,
+        activation="swiglu",
+        positions="rope",
+        rope_base=_rope_base(config),
+        bias=bias,
+        tie_embeddings=tied,
+    )
+
+
 def _deepseek_arguments(config, tied: bool) -> dict:
     """:func:`gpt_arguments` of a ``DeepseekV3ForCausalLM``: multi-head latent
     attention (``mla=``), dense SwiGLU layers only."""
@@ -246,19 +265,7 @@ def _deepseek_arguments(config, tied: bool) -> dict:
             "which DeepSeek's has not"
         )
     return dict(
-        vocab_size=config.vocab_size,
-        d_model=config.hidden_size,
-        num_heads=heads,
-        num_layers=layers,
-        max_len=config.max_position_embeddings,
-        hidden=config.intermediate_size,
-        norm="rms",
-        norm_eps=config.rms_norm_eps,
-        activation="swiglu",
-        positions="rope",
-        rope_base=_rope_base(config),
-        bias=False,
-        tie_embeddings=tied,
+        **_shared_arguments(config, bias=False, tied=tied),
         mla=dict(
             kv_lora_rank=config.kv_lora_rank,
             q_lora_rank=config.q_lora_rank,
@@ -323,22 +330,10 @@ def _decoder_arguments(model) -> dict:
             "covers the attention's and the feed-forward's linear layers together"
         )
     return dict(
-        vocab_size=config.vocab_size,
-        d_model=d_model,
-        num_heads=heads,
-        num_layers=config.num_hidden_layers,
-        max_len=config.max_position_embeddings,
-        hidden=config.intermediate_size,
-        norm="rms",
-        norm_eps=config.rms_norm_eps,
-        activation="swiglu",
-        positions="rope",
-        rope_base=_rope_base(config),
+        **_shared_arguments(config, bias=attention_bias, tied=tied),
         window=_window(config),
         num_kv_heads=config.num_key_value_heads,
         qk_norm=hasattr(model.model.layers[0].self_attn, "q_norm"),  # Qwen3
-        bias=attention_bias,
-        tie_embeddings=tied,
     )
 
 
@@ -392,19 +387,31 @@ def gpt_weights(model) -> dict[str, torch.Tensor]:
         "self_attn.q_norm": 1,
         "self_attn.k_norm": 1,
     }
-    tensors = {"token_embedding.weight": model.get_input_embeddings().weight}
-    for i, layer in enumerate(model.model.layers):
+
+    def layer_tensors(layer, prefix):
         if "mla" in arguments:  # DeepSeek-V3
             interleaved = bool(model.config.rope_interleave)
-            tensors.update(_latent_layer(layer, f"blocks.{i}", arguments, interleaved))
-            continue
+            return _latent_layer(layer, prefix, arguments, interleaved)
+        tensors = {}
         for name, tensor in layer.state_dict().items():
             module, parameter = name.rsplit(".", 1)  # "self_attn.q_proj", "weight"
             if module in rows:
                 tensor = rope_halves_to_pairs(tensor, rows[module], head_dim)
             # an unknown module keeps its name: copy_weights lists it as unused
             ours = LAYER_NAMES.get(module, module)
-            tensors[f"blocks.{i}.{ours}.{parameter}"] = tensor
+            tensors[f"{prefix}.{ours}.{parameter}"] = tensor
+        return tensors
+
+    return _decoder_tensors(model, arguments, layer_tensors)
+
+
+def _decoder_tensors(model, arguments: dict, layer_tensors) -> dict[str, torch.Tensor]:
+    """A transformers decoder's tensors under our GPT's names: the embedding, each
+    layer's from ``layer_tensors(layer, "blocks.i")``, the final norm and, untied,
+    the output head."""
+    tensors = {"token_embedding.weight": model.get_input_embeddings().weight}
+    for i, layer in enumerate(model.model.layers):
+        tensors.update(layer_tensors(layer, f"blocks.{i}"))
     tensors["final_norm.weight"] = model.model.norm.weight
     if not arguments["tie_embeddings"]:
         tensors["lm_head.weight"] = model.lm_head.weight
