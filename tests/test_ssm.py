@@ -95,6 +95,32 @@ def test_parallel_scan_equals_the_loop(T):
     torch.testing.assert_close(parallel_scan(a, b), parallel_scan(a, b, torch.zeros(2, 3)))
 
 
+@pytest.mark.parametrize("T", [1, 2, 5, 13])
+def test_parallel_scan_gradient_is_the_loops(T):
+    # the scan's own backward (a reverse scan) against autograd through the loop
+    g = torch.Generator().manual_seed(T)
+    a = torch.rand(2, T, 3, generator=g, dtype=torch.float64).requires_grad_()
+    b = torch.randn(2, T, 3, generator=g, dtype=torch.float64).requires_grad_()
+    h0 = torch.randn(2, 3, generator=g, dtype=torch.float64).requires_grad_()
+    weights = torch.randn(2, T, 3, generator=g, dtype=torch.float64)
+
+    def loop(a, b, h0):
+        h, states = h0, []
+        for t in range(T):
+            h = a[:, t] * h + b[:, t]
+            states.append(h)
+        return torch.stack(states, 1)
+
+    for initial in (h0, None):
+        args = (a, b) if initial is None else (a, b, h0)
+        ours = torch.autograd.grad((parallel_scan(*args) * weights).sum(), args)
+        start = torch.zeros_like(h0) if initial is None else h0
+        theirs = torch.autograd.grad((loop(a, b, start) * weights).sum(), args)
+        for x, y in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(x, y)
+    assert torch.autograd.gradcheck(parallel_scan, (a, b, h0))
+
+
 def test_state_size_does_not_depend_on_the_length():
     block = MambaBlock(D, state_size=N, expand=EXPAND, conv_kernel=K)
     assert block.state_bytes() == E * (K - 1 + N) * 4 == 896

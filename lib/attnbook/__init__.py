@@ -75,6 +75,7 @@ from .interpretability import induction_score, previous_token_score
 from .latent import MultiHeadLatentAttention
 from .linear import LinearAttention, linear_attention, linear_attention_recurrent
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
+from .mixers import MixerModel
 from .models import (
     GPT,
     EncoderDecoderModel,
@@ -135,6 +136,7 @@ __all__ = [
     "LearnedPositions",
     "LinearAttention",
     "MambaBlock",
+    "MixerModel",
     "MoEFeedForward",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",

@@ -45,17 +45,55 @@ def parallel_scan(a, b, initial=None):
     """All states of ``h_t = a_t h_{t-1} + b_t`` (``h_{-1} = initial``, default 0):
     ``a, b (B, T, ...)`` -> ``h (B, T, ...)``, time on dim 1.
 
-    Hillis and Steele's scan: after the round with ``shift = s``, ``b_t`` holds the
-    recurrence run over the ``2 s`` steps ending at ``t`` and ``a_t`` the product of
-    their ``a``; ``ceil(log2 T)`` rounds of whole-tensor operations, instead of ``T``
-    sequential steps.
+    Hillis and Steele's scan (:func:`_hillis_steele`), ``ceil(log2 T)`` rounds of
+    whole-tensor operations instead of ``T`` sequential steps. Its gradient is a scan
+    too, run backwards in time (:class:`_Scan`), so autograd need not record every
+    round.
     """
-    shift = 1
+    if initial is not None:  # h_0 = a_0 initial + b_0: fold the start into b_0
+        b = torch.cat([b[:, :1] + a[:, :1] * initial.unsqueeze(1), b[:, 1:]], 1)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _Scan.apply(a, b)
+    return _hillis_steele(a, b)
+
+
+def _hillis_steele(a, b, *, reverse=False):
+    """The scan from ``h_{-1} = 0``: after the round with ``shift = s``, ``b_t`` holds
+    the recurrence run over the ``2 s`` steps ending at ``t`` and ``a_t`` the product
+    of their ``a``. ``reverse=True`` runs it backwards in time, ``h_t = a_t h_{t+1} +
+    b_t`` (from ``h_T = 0``)."""
+    a, b, shift = a.clone(), b.clone(), 1
     while shift < a.shape[1]:
-        b = torch.cat([b[:, :shift], b[:, shift:] + a[:, shift:] * b[:, :-shift]], 1)
-        a = torch.cat([a[:, :shift], a[:, shift:] * a[:, :-shift]], 1)
+        late, early = slice(shift, None), slice(None, -shift)
+        to, source = (early, late) if reverse else (late, early)  # h_t reads h_{t -+ s}
+        b[:, to] += a[:, to] * b[:, source]  # the product is taken before b changes
+        a[:, to] = a[:, to] * a[:, source]
         shift *= 2
-    return b if initial is None else b + a * initial.unsqueeze(1)
+    return b
+
+
+class _Scan(torch.autograd.Function):
+    """:func:`_hillis_steele` with its gradient written out. With ``g_t = dL/dh_t``
+    summed over every later state, ``g_t = grad_t + a_{t+1} g_{t+1}``: the same scan,
+    backwards in time. Then ``dL/db_t = g_t`` and ``dL/da_t = g_t h_{t-1}``. (Autograd
+    through the rounds would allocate a full-size tensor of zeros per slice.)"""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        h = _hillis_steele(a, b)
+        ctx.save_for_backward(a, h)
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, h = ctx.saved_tensors
+        a_next = torch.zeros_like(a)  # a_{t+1}, 0 after the last step
+        a_next[:, :-1] = a[:, 1:]
+        g = _hillis_steele(a_next, grad, reverse=True)
+        grad_a = torch.zeros_like(g)  # g_t h_{t-1}, with h_{-1} = 0
+        grad_a[:, 1:] = g[:, 1:] * h[:, :-1]
+        return grad_a, g
 
 
 class MambaBlock(nn.Module):
