@@ -128,6 +128,19 @@ def test_gpt(device, precision):
     assert model.training  # generate restored the caller's mode
 
 
+@pytest.mark.parametrize("mixer", ["softmax", "linear", "mamba"])
+def test_mixer_model(device, precision, mixer):
+    # chapter 20's model: linear attention and Mamba's scan sum in float32 under autocast
+    model, reference = on_device(lambda: attnbook.MixerModel(VOCAB, 16, mixer), device)
+    ids = tokens(2, 16)
+    with running(device, precision):
+        logits = model(ids.to(device))  # (2, 16, VOCAB)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten().to(device))
+    with torch.no_grad():
+        check_output(logits, reference(ids), device, precision)
+    check_backward(model, loss)
+
+
 def test_encoder_decoder(device, precision):
     model, reference = on_device(lambda: attnbook.EncoderDecoderModel(30, VOCAB, d_model=32, num_heads=4,
                                                                       num_encoder_layers=1, num_decoder_layers=1,
