@@ -5,7 +5,7 @@ transformers' cache, the parallel scan, the state's size, and bad inputs."""
 import pytest
 import torch
 from attnbook import MambaBlock
-from attnbook.ssm import MambaState, parallel_scan
+from attnbook.ssm import MambaState, parallel_scan, scan
 from conftest import require
 
 transformers = require("transformers")
@@ -82,8 +82,9 @@ def test_states_and_decode_equal_transformers_cache():
     torch.testing.assert_close(torch.cat(outs, 1), torch.cat(theirs, 1), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("parallel", [True, False, None])
 @pytest.mark.parametrize("T", [1, 2, 5, 8, 13])
-def test_parallel_scan_equals_the_loop(T):
+def test_scan_equals_the_loop(T, parallel):
     g = torch.Generator().manual_seed(T)
     a, b = torch.rand(2, T, 3, generator=g), torch.randn(2, T, 3, generator=g)
     h0 = torch.randn(2, 3, generator=g)
@@ -91,12 +92,24 @@ def test_parallel_scan_equals_the_loop(T):
     for t in range(T):
         h = a[:, t] * h + b[:, t]
         states.append(h)
-    torch.testing.assert_close(parallel_scan(a, b, h0), torch.stack(states, 1), **TOL)
-    torch.testing.assert_close(parallel_scan(a, b), parallel_scan(a, b, torch.zeros(2, 3)))
+    ours = scan(a, b, h0, parallel=parallel)
+    torch.testing.assert_close(ours, torch.stack(states, 1), **TOL)
+    torch.testing.assert_close(scan(a, b, parallel=parallel), scan(a, b, 0 * h0))
+    if parallel:
+        assert torch.equal(parallel_scan(a, b, h0), ours)
 
 
+def test_scan_takes_the_loop_on_a_cpu():
+    # the two ways round differently; the default on a CPU gives the loop's bits
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(2, 64, 3, generator=g), torch.randn(2, 64, 3, generator=g)
+    assert torch.equal(scan(a, b), scan(a, b, parallel=False))
+    assert not torch.equal(scan(a, b), scan(a, b, parallel=True))
+
+
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("T", [1, 2, 5, 13])
-def test_parallel_scan_gradient_is_the_loops(T):
+def test_scan_gradient_is_the_loops(T, parallel):
     # the scan's own backward (a reverse scan) against autograd through the loop
     g = torch.Generator().manual_seed(T)
     a = torch.rand(2, T, 3, generator=g, dtype=torch.float64).requires_grad_()
@@ -111,14 +124,17 @@ def test_parallel_scan_gradient_is_the_loops(T):
             states.append(h)
         return torch.stack(states, 1)
 
+    def ours(*args):
+        return scan(*args, parallel=parallel)
+
     for initial in (h0, None):
         args = (a, b) if initial is None else (a, b, h0)
-        ours = torch.autograd.grad((parallel_scan(*args) * weights).sum(), args)
+        grads = torch.autograd.grad((ours(*args) * weights).sum(), args)
         start = torch.zeros_like(h0) if initial is None else h0
         theirs = torch.autograd.grad((loop(a, b, start) * weights).sum(), args)
-        for x, y in zip(ours, theirs, strict=True):
+        for x, y in zip(grads, theirs, strict=True):
             torch.testing.assert_close(x, y)
-    assert torch.autograd.gradcheck(parallel_scan, (a, b, h0))
+    assert torch.autograd.gradcheck(ours, (a, b, h0))
 
 
 def test_state_size_does_not_depend_on_the_length():

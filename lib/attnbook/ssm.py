@@ -14,11 +14,12 @@ numbers of state per channel:
 5. ``out_proj(y * SiLU(z))``.
 
 Two ways to compute it: :meth:`MambaBlock.forward` (and :meth:`~MambaBlock.prefill`)
-on a whole sequence, every step on all tokens at once, the scan included
-(:func:`parallel_scan`, ``ceil(log2 T)`` rounds); and :meth:`MambaBlock.step`, the
-recurrence on one token, carrying a :class:`MambaState`: the last ``conv_kernel - 1``
-inputs of the convolution and ``h``. Its size, ``B E (conv_kernel - 1 + N)`` numbers a
-layer, does not grow with the sequence (:meth:`MambaBlock.state_bytes`).
+on a whole sequence, every step on all tokens at once but the scan (:func:`scan`: on
+a GPU in ``ceil(log2 T)`` rounds, on a CPU a loop over the tokens); and
+:meth:`MambaBlock.step`, the recurrence on one token, carrying a :class:`MambaState`:
+the last ``conv_kernel - 1`` inputs of the convolution and ``h``. Its size, ``B E
+(conv_kernel - 1 + N)`` numbers a layer, does not grow with the sequence
+(:meth:`MambaBlock.state_bytes`).
 """
 
 from __future__ import annotations
@@ -41,20 +42,40 @@ class MambaState(NamedTuple):
     ssm: torch.Tensor
 
 
-def parallel_scan(a, b, initial=None):
+def scan(a, b, initial=None, *, parallel=None):
     """All states of ``h_t = a_t h_{t-1} + b_t`` (``h_{-1} = initial``, default 0):
     ``a, b (B, T, ...)`` -> ``h (B, T, ...)``, time on dim 1.
 
-    Hillis and Steele's scan (:func:`_hillis_steele`), ``ceil(log2 T)`` rounds of
-    whole-tensor operations instead of ``T`` sequential steps. Its gradient is a scan
-    too, run backwards in time (:class:`_Scan`), so autograd need not record every
-    round.
+    Two ways, the same states: ``parallel=True``, Hillis and Steele's scan
+    (:func:`_hillis_steele`), ``ceil(log2 T)`` rounds of whole-tensor operations and
+    about ``T log2 T`` steps' work, what a GPU running every position at once wants;
+    ``parallel=False``, the loop over ``t`` (:func:`_loop`), ``T`` steps and no more
+    work, faster on a CPU. ``None``: the rounds on a GPU, the loop elsewhere. Either
+    way the gradient is the same scan run backwards in time (:class:`_Scan`), so
+    autograd need not record every step.
     """
+    if parallel is None:
+        parallel = a.is_cuda
     if initial is not None:  # h_0 = a_0 initial + b_0: fold the start into b_0
         b = torch.cat([b[:, :1] + a[:, :1] * initial.unsqueeze(1), b[:, 1:]], 1)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _Scan.apply(a, b)
-    return _hillis_steele(a, b)
+        return _Scan.apply(a, b, parallel)
+    return (_hillis_steele if parallel else _loop)(a, b)
+
+
+def parallel_scan(a, b, initial=None):
+    """:func:`scan` in ``ceil(log2 T)`` rounds (``parallel=True``), on any device."""
+    return scan(a, b, initial, parallel=True)
+
+
+def _loop(a, b, *, reverse=False):
+    """The scan from ``h_{-1} = 0``, one step at a time; ``reverse=True`` runs it
+    backwards in time, ``h_t = a_t h_{t+1} + b_t`` (from ``h_T = 0``)."""
+    h, state = torch.empty_like(b), None
+    for t in reversed(range(a.shape[1])) if reverse else range(a.shape[1]):
+        state = b[:, t] if state is None else torch.addcmul(b[:, t], a[:, t], state)
+        h[:, t] = state
+    return h
 
 
 def _hillis_steele(a, b, *, reverse=False):
@@ -73,14 +94,16 @@ def _hillis_steele(a, b, *, reverse=False):
 
 
 class _Scan(torch.autograd.Function):
-    """:func:`_hillis_steele` with its gradient written out. With ``g_t = dL/dh_t``
-    summed over every later state, ``g_t = grad_t + a_{t+1} g_{t+1}``: the same scan,
-    backwards in time. Then ``dL/db_t = g_t`` and ``dL/da_t = g_t h_{t-1}``. (Autograd
-    through the rounds would allocate a full-size tensor of zeros per slice.)"""
+    """:func:`scan` with its gradient written out. With ``g_t = dL/dh_t`` summed over
+    every later state, ``g_t = grad_t + a_{t+1} g_{t+1}``: the same scan, backwards in
+    time. Then ``dL/db_t = g_t`` and ``dL/da_t = g_t h_{t-1}``. (Autograd through the
+    steps would allocate a full-size tensor of zeros per slice.)"""
 
     @staticmethod
-    def forward(ctx, a, b):
-        h = _hillis_steele(a, b)
+    def forward(ctx, a, b, parallel):
+        run = _hillis_steele if parallel else _loop
+        h = run(a, b)
+        ctx.run = run
         ctx.save_for_backward(a, h)
         return h
 
@@ -88,12 +111,13 @@ class _Scan(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         a, h = ctx.saved_tensors
-        a_next = torch.zeros_like(a)  # a_{t+1}, 0 after the last step
-        a_next[:, :-1] = a[:, 1:]
-        g = _hillis_steele(a_next, grad, reverse=True)
-        grad_a = torch.zeros_like(g)  # g_t h_{t-1}, with h_{-1} = 0
-        grad_a[:, 1:] = g[:, 1:] * h[:, :-1]
-        return grad_a, g
+        a_next = torch.empty_like(a)  # a_{t+1}, 0 after the last step
+        a_next[:, :-1], a_next[:, -1] = a[:, 1:], 0
+        g = ctx.run(a_next, grad.contiguous(), reverse=True)
+        grad_a = torch.empty_like(g)  # g_t h_{t-1}, with h_{-1} = 0
+        grad_a[:, 0] = 0
+        torch.mul(g[:, 1:], h[:, :-1], out=grad_a[:, 1:])
+        return grad_a, g, None
 
 
 class MambaBlock(nn.Module):
@@ -233,7 +257,7 @@ class MambaBlock(nn.Module):
         delta, B, C, u32 = delta.to(f32), B.to(f32), C.to(f32), u.to(f32)
         a = torch.exp(delta[..., None] * A)  # (B, T, E, N)
         b = (delta * u32)[..., None] * B[:, :, None, :]  # (B, T, E, N)
-        h = parallel_scan(a, b, state.ssm.to(f32))  # (B, T, E, N)
+        h = scan(a, b, state.ssm.to(f32))  # (B, T, E, N)
         y = (h @ C[..., None]).squeeze(-1) + self.D * u32  # (B, T, E)
         y = (y * F.silu(z.to(f32))).to(x.dtype)
         kept = window[..., window.shape[-1] - (self.conv_kernel - 1) :]  # last k - 1
@@ -268,4 +292,4 @@ class MambaBlock(nn.Module):
         return batch_size * numbers * torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["MambaBlock", "MambaState", "parallel_scan"]
+__all__ = ["MambaBlock", "MambaState", "parallel_scan", "scan"]
