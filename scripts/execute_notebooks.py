@@ -100,16 +100,20 @@ def tidy_streams(nb) -> None:
         cell.outputs = [out for out in merged if out.output_type != "stream" or out.text.strip()]
 
 
-def execute(path: Path, out_dir: Path | None = None, out_name: str | None = None) -> float:
-    nb = nbformat.read(path, as_version=4)
-    start = time.perf_counter()
-    resources = {"metadata": {"path": str(path.parent)}}  # run with book/ as the working directory
+def notebook_client(nb, path: Path) -> NotebookClient:
+    """A client that runs ``nb`` (read from ``path``) with ``path``'s folder as the working directory."""
+    resources = {"metadata": {"path": str(path.parent)}}
     # a kernel may take minutes to start on a loaded machine (nbclient waits 60 s by default)
-    client = NotebookClient(
+    return NotebookClient(
         nb, timeout=900, startup_timeout=600, kernel_name="python3", record_timing=False,
         resources=resources,
     )
-    client.execute()
+
+
+def execute(path: Path, out_dir: Path | None = None, out_name: str | None = None) -> float:
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    notebook_client(nb, path).execute()
     elapsed = time.perf_counter() - start
     tidy_streams(nb)
     nbformat.write(nb, path if out_dir is None else out_dir / (out_name or path.name))

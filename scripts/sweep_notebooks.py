@@ -104,14 +104,7 @@ def run_one(path: Path, out: Path) -> int:
             cell.outputs, cell.execution_count = [], None
             if SWEEP_READER in cell.source:  # it shows the last sweep: not part of this one
                 cell.source = "pass  # reads the sweep file: not run in a sweep"
-    from nbclient import NotebookClient
-
-    resources = {"metadata": {"path": str(path.parent)}}  # cwd: the notebook's folder, as make execute
-    # a kernel may take minutes to start on a loaded machine (nbclient waits 60 s by default)
-    client = NotebookClient(
-        nb, timeout=900, startup_timeout=600, kernel_name="python3", record_timing=False,
-        resources=resources,
-    )
+    client = execute_notebooks.notebook_client(nb, path)  # cwd: the notebook's folder
     status = 0
     try:
         client.execute()
