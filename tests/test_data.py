@@ -4,6 +4,7 @@ the MNIST sample and its split; ATTNBOOK_SEED_OFFSET reaches every seeded choice
 import gzip
 import importlib.util
 import math
+import random
 
 import numpy as np
 import pytest
@@ -163,10 +164,14 @@ def test_seed_offset_reaches_number_split_and_shuffled_lines(monkeypatch, text):
     lines_0, lines_3 = data.shuffled_lines(lines, seed=0), data.shuffled_lines(lines, seed=3)
     monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "3")
     split = data.number_split(1000, 100, seed=0)
-    assert split == split_3 and split != split_0
+    assert split == data.number_split(1000, 100, seed=0)  # repeatable
+    assert split != split_0 and split != split_3  # offset 3 shares no seed with offset 0
+    numbers = list(range(1000))
+    random.Random(3_000_000).shuffle(numbers)  # seed 0 at offset 3
+    assert split == (numbers[100:], numbers[:100])
     texts, labels = data.shuffled_lines(lines, seed=0)
-    assert texts == lines_3[0] and torch.equal(labels, lines_3[1])
-    assert texts != lines_0[0]
+    assert texts != lines_0[0] and texts != lines_3[0]
+    assert data.shuffled_lines(lines, seed=0)[0] == texts
 
 
 def test_seq2seq_batch():
@@ -285,7 +290,9 @@ def test_stratified_split(mnist, monkeypatch):
     at_seed_1 = data.stratified_split(labels, 0.2, seed=1)[0]
     assert not torch.equal(test, at_seed_1)
     monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "1")
-    assert torch.equal(data.stratified_split(labels, 0.2, seed=0)[0], at_seed_1)  # seed 0 + offset 1 = seed 1
+    shifted = data.stratified_split(labels, 0.2, seed=0)[0]  # seed 0 at offset 1: a seed of its own
+    assert not torch.equal(shifted, test) and not torch.equal(shifted, at_seed_1)
+    assert torch.equal(data.stratified_split(labels, 0.2, seed=0)[0], shifted)
     small, _ = data.stratified_split(labels[train], 0.1)
     assert torch.bincount(labels[train][small]).tolist() == [40] * 10
     with pytest.raises(ValueError, match="fraction"):

@@ -224,7 +224,9 @@ def test_train_classifier_draws_seeded_batches(monkeypatch):
     loss_c, _ = run(1)
     assert loss_c != loss_a
     monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "1")
-    assert run(0)[0] == loss_c  # seed 0 + offset 1 draws seed 1's batches
+    loss_shifted = run(0)[0]  # seed 0 at offset 1 draws other batches than any seed of offset 0
+    assert loss_shifted != loss_a and loss_shifted != loss_c
+    assert run(0)[0] == loss_shifted
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         train_classifier(nn.Linear(3, 2), inputs, labels, steps=5, batch_size=0)
     with pytest.raises(ValueError, match="labels must be an int64 tensor .N,. matching"):

@@ -70,9 +70,11 @@ def test_seed_offset_shifts_every_seed(monkeypatch):
     plain = torch.rand(3)
     monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "2")
     assert seed_offset() == 2
-    seed_everything(3)  # 3 + 2 = 5: the same numbers as seed 5 without an offset
-    torch.testing.assert_close(torch.rand(3), plain)
-    expected = torch.rand(4, generator=torch.Generator().manual_seed(9))
+    seed_everything(5)  # seed 5 at offset 2: 2,000,005, not the numbers of offset 0
+    assert not torch.equal(torch.rand(3), plain)
+    seed_everything(5)
+    torch.testing.assert_close(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(2_000_005)))
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(2_000_007))
     torch.testing.assert_close(torch.rand(4, generator=generator(7)), expected)
     for bad in ("-1", "two"):
         monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", bad)
@@ -80,6 +82,26 @@ def test_seed_offset_shifts_every_seed(monkeypatch):
             seed_everything(0)
     with pytest.raises(ValueError, match="int >= 0"):
         generator(-3)
+
+
+def test_seed_offsets_never_share_a_seed(monkeypatch):
+    from attnbook import shifted_seed
+    from attnbook.utils import SEED_STRIDE
+
+    seeds = {}
+    for offset in range(12):
+        monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", str(offset))
+        # a page's seeds: its three training seeds and the larger ones it derives
+        seeds[offset] = {shifted_seed(s) for s in (0, 1, 2, 998, 1000, 1002, SEED_STRIDE - 1)}
+    for a in seeds:
+        for b in seeds:
+            assert a == b or not seeds[a] & seeds[b], (a, b)  # seed + offset shared 1 and 2
+    monkeypatch.setenv("ATTNBOOK_SEED_OFFSET", "3")
+    assert shifted_seed(4) == 3 * SEED_STRIDE + 4
+    with pytest.raises(ValueError, match="seed must be below 1,000,000.*got 1000000"):
+        shifted_seed(SEED_STRIDE)
+    with pytest.raises(ValueError, match="int >= 0"):
+        shifted_seed(-1)
 
 
 def test_check_positive_int():

@@ -114,6 +114,7 @@ from .utils import (
     progress,
     seed_everything,
     seed_offset,
+    shifted_seed,
     show_source,
 )
 from .vit import PatchEmbedding, SmallResNet, ViT
@@ -209,6 +210,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "seed_everything",
     "seed_offset",
+    "shifted_seed",
     "show_source",
     "sinusoidal_encoding",
     "sliding_window_mask",

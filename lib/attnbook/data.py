@@ -32,7 +32,7 @@ Nothing here downloads anything. The pieces:
 - Multi-query associative recall (chapter 20): :func:`associative_recall` (key-value
   pairs, then some keys again: the model must recall their values).
 
-Every random choice here is seeded with ``seed + seed_offset()``, so
+Every random choice here is seeded with ``shifted_seed(seed)``, so
 ``ATTNBOOK_SEED_OFFSET`` changes it.
 """
 
@@ -53,7 +53,7 @@ from .utils import (
     check_positive_int,
     generator,
     package_file,
-    seed_offset,
+    shifted_seed,
 )
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "book" / "data"
@@ -396,7 +396,7 @@ def number_to_words(n: int) -> str:
 def number_split(
     max_number: int = 10_000, held_out: int = 1_000, seed: int = 0
 ) -> tuple[list[int], list[int]]:
-    """Numbers ``0 .. max_number - 1`` shuffled with ``seed + seed_offset()`` and cut
+    """Numbers ``0 .. max_number - 1`` shuffled with ``shifted_seed(seed)`` and cut
     into ``(train, held_out)`` lists.
 
     The two never share a number, so accuracy on the held-out list measures
@@ -412,7 +412,7 @@ def number_split(
             f"max_number={max_number}"
         )
     numbers = list(range(max_number))
-    random.Random(check_non_negative_int("seed", seed) + seed_offset()).shuffle(numbers)
+    random.Random(shifted_seed(seed)).shuffle(numbers)
     return numbers[held_out:], numbers[:held_out]
 
 
@@ -515,9 +515,9 @@ def shuffled_lines(
     A shuffled line has exactly the same characters and words as the original (only the
     order differs), so no bag-of-characters or bag-of-words model can beat 50 %: the
     task needs word order. Returns ``(texts, labels (N,))``; the choices are seeded with
-    ``seed + seed_offset()``.
+    ``shifted_seed(seed)``.
     """
-    rng = random.Random(check_non_negative_int("seed", seed) + seed_offset())
+    rng = random.Random(shifted_seed(seed))
     texts, labels = [], []
     for line in lines:
         if len(set(line.split())) < 2:

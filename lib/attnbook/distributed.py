@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from .data import CharTokenizer, load_shakespeare, random_batch, train_val_split
 from .models import GPT
 from .train import make_optimizer, to_device
-from .utils import check_positive_int, seed_everything, seed_offset
+from .utils import check_positive_int, seed_everything, shifted_seed
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def windows_dataset(config: Config) -> tuple[TensorDataset, int]:
     """``(dataset, vocab_size)``: ``config.num_windows`` fixed windows ``(x, y)`` of the
     Shakespeare training text (``y`` is ``x`` shifted by one character), drawn with
     ``generator(config.seed)``."""
-    return _windows(config.seed + seed_offset(), config.num_windows, config.seq_len)
+    return _windows(shifted_seed(config.seed), config.num_windows, config.seq_len)
 
 
 @lru_cache(maxsize=4)  # the references and the demonstrations reuse the same windows
@@ -165,7 +165,7 @@ def rank_batches(
         num_replicas=world_size,
         rank=rank,
         shuffle=True,
-        seed=config.seed + seed_offset(),
+        seed=shifted_seed(config.seed),
         drop_last=True,
     )
     loader = DataLoader(

@@ -36,9 +36,9 @@ def on_gpu() -> bool:
 def seed_offset() -> int:
     """The integer in the environment variable ``ATTNBOOK_SEED_OFFSET`` (default 0).
 
-    :func:`seed_everything` and :func:`generator` add it to every seed they set, so a
-    whole run of the book can be repeated with other seeds without editing a notebook
-    (``make robust`` does).
+    :func:`seed_everything` and :func:`generator` shift every seed they set by it
+    (:func:`shifted_seed`), so a whole run of the book can be repeated with other seeds
+    without editing a notebook (``make robust`` and the sweeps do).
     """
     text = os.environ.get("ATTNBOOK_SEED_OFFSET", "0").strip() or "0"
     try:
@@ -147,14 +147,31 @@ def check_token_ids(
             )
 
 
-def _check_seed(seed) -> int:
-    return check_non_negative_int("seed", seed)
+SEED_STRIDE = 1_000_000  # seeds a page may use: 0 .. SEED_STRIDE - 1
+
+
+def shifted_seed(seed: int) -> int:
+    """``seed + SEED_STRIDE * seed_offset()``: the seed a run at this offset uses.
+
+    Offsets give disjoint seeds: a page's seeds lie in ``[0, SEED_STRIDE)``, so offset
+    ``k`` draws from ``[k * SEED_STRIDE, (k + 1) * SEED_STRIDE)`` and no two offsets
+    share a seed (with ``seed + offset``, offset 1 of a page that trains seeds 0, 1, 2
+    would train 1, 2, 3, two of the same models again). A seed outside that range raises
+    a ``ValueError``.
+    """
+    seed = check_non_negative_int("seed", seed)
+    if seed >= SEED_STRIDE:
+        raise ValueError(
+            f"seed must be below {SEED_STRIDE:,} (larger seeds would be shared with "
+            f"another seed offset), got {seed}"
+        )
+    return seed + SEED_STRIDE * seed_offset()
 
 
 def seed_everything(seed: int = 0) -> None:
-    """Seed Python, NumPy and PyTorch (CPU and every GPU) with ``seed + seed_offset()``,
-    so a run repeats."""
-    seed = _check_seed(seed) + seed_offset()
+    """Seed Python, NumPy and PyTorch (CPU and every GPU) with :func:`shifted_seed`
+    ``(seed)``, so a run repeats."""
+    seed = shifted_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -163,13 +180,13 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def generator(seed: int, device: torch.device | str | None = None) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` (default CPU) seeded with ``seed +
-    seed_offset()``.
+    """A ``torch.Generator`` on ``device`` (default CPU) seeded with
+    :func:`shifted_seed` ``(seed)``.
 
     Use it for the batches of an experiment, so that ``ATTNBOOK_SEED_OFFSET`` changes
     them too.
     """
-    seed = _check_seed(seed) + seed_offset()
+    seed = shifted_seed(seed)
     return torch.Generator(device=device if device is not None else "cpu").manual_seed(
         seed
     )
@@ -285,5 +302,6 @@ __all__ = [
     "progress",
     "seed_everything",
     "seed_offset",
+    "shifted_seed",
     "show_source",
 ]
