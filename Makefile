@@ -8,13 +8,18 @@
 #                  two at a time, one thread each: on 2 cores the whole book finishes sooner)
 #   make robust    re-execute every notebook once more, with another seed offset and other CPU
 #                  kernels (alternating by notebook), into a temporary folder; fails if any cell
-#                  raises (NB= works here too; ROBUST=both runs each notebook under both variants)
+#                  raises (NB= works here too; ROBUST=both runs each notebook under both variants);
+#                  the notebooks that assert a timing run beside BUSY=2 processes that load the CPU
 #   make timings   execute every notebook into a temporary folder and print a table of their times
 #                  (JOBS=2 as for execute: the wall time of the whole book two at a time)
-#   make sweep NB=book/09_vit.ipynb [OFFSETS=10]  execute one notebook under seed offsets 0..9 (or
+#   make sweep NB=book/09_vit.ipynb [OFFSETS=10]  execute one notebook under seed offsets 1..10 (or
 #                  OFFSETS=3,7,11), kernel families alternating; reports failing asserts and the
 #                  spread of every printed figure, to set thresholds from (about 10 minutes a notebook);
 #                  SETTINGS=gpu: with the longer trainings a GPU gets, kept in book/sweeps/<nb>.gpu.json
+#   make experiment NAME=vit_grid [JOBS=2]  run a recorded experiment (book/experiments/NAME.py) over its
+#                  grid and seeds, two runs at a time, resumable, and keep its record in
+#                  book/experiments/NAME.json; without NAME, list the experiments and whether each
+#                  record still matches its code
 #   make gpu-settings  execute every notebook on the CPU with the longer trainings a GPU gets, into a
 #                  temporary folder; fails if any cell raises (about 13 minutes on 2 cores)
 #   make gpu-test  the tests marked gpu: every model on CUDA, float32 and float16 autocast (skipped,
@@ -57,10 +62,10 @@ unexport MPLBACKEND
 JB_BUILD := $(BIN)/python scripts/make_source_archive.py && \
 	$(BIN)/jupyter-book build --all --warningiserror --nitpick --keep-going .
 
-.PHONY: help venv book test unit nbval robust sweep timings gpu-settings gpu-test site lab execute lint clean
+.PHONY: help venv book test unit nbval robust sweep experiment timings gpu-settings gpu-test site lab execute lint clean
 
 help:
-	@sed -n '2,22p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,27p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- environment -----------------------------------------------------------------------------
 
@@ -115,22 +120,29 @@ nbval: $(STAMP)
 # folder, with the seeds shifted (ATTNBOOK_SEED_OFFSET, read by attnbook.seed_everything and
 # attnbook.generator) and another family of CPU kernels (ATEN_CPU_CAPABILITY and the instructions
 # MKL and oneDNN may use: scripts/execute_notebooks.py, KERNEL_FAMILIES): in book order the notebooks
-# alternate between offset 1 with the avx2 family and offset 2 with the default family, so both
+# alternate between offset 11 with the avx2 family and offset 12 with the default family, so both
 # families run across the book. The committed notebooks are never touched and stored outputs are
-# not compared, but every assert must hold. The margins themselves come from sweeps over ten offsets
-# and both families (make sweep); ROBUST=both runs every notebook under both variants. Two
-# notebooks at a time, one thread each, as nbval.
+# not compared, but every assert must hold. The margins themselves come from sweeps over offsets
+# 1..10 and both families (make sweep); offsets 11 and 12 train seeds no sweep saw
+# (attnbook.shifted_seed). ROBUST=both runs every notebook under both variants. Two notebooks at a
+# time, one thread each, as nbval.
+#
+# A timing claim must hold on a busy machine too: the notebooks that assert a timing (metadata
+# "attnbook": {"asserts_timing": true}) run after the others, beside BUSY processes (default 2) that
+# each keep a core busy with matrix products for as long as those notebooks run (BUSY=0: no load).
 ROBUST ?= alternate
+BUSY ?= 2
 robust: $(STAMP)
 	@test "$(ROBUST)" = alternate -o "$(ROBUST)" = both || { echo "ROBUST must be alternate or both, got '$(ROBUST)'" >&2; exit 2; }
 	@out=$$(mktemp -d); status=0; \
-	$(BIN)/python scripts/execute_notebooks.py --robust $(if $(filter both,$(ROBUST)),--both) --jobs 2 \
+	$(BIN)/python scripts/execute_notebooks.py --robust $(if $(filter both,$(ROBUST)),--both) --jobs 2 --busy $(BUSY) \
 		--out "$$out" $(NB) 2>&1 | grep --line-buffered -v "Kernel is running over TCP" || status=1; \
 	mkdir -p _build; cp "$$out/timings.md" _build/robust-timings.md 2>/dev/null || true; \
 	rm -rf "$$out"; exit $$status
 
 # A threshold set from the two seeds of `make robust` is not a margin. This executes NB under
-# ATTNBOOK_SEED_OFFSET = 0..OFFSETS-1 (or a list, OFFSETS=3,7,11), the avx2 kernel family at odd
+# ATTNBOOK_SEED_OFFSET = 1..OFFSETS (or a list, OFFSETS=3,7,11; offset 0 is the page's own run and
+# each offset trains seeds of its own), the avx2 kernel family at odd
 # offsets and the default family at even ones, two runs at a time on one thread each, into a temporary folder;
 # it prints which asserts fail at which offset and, for every printed number, its min, max and mean
 # over the offsets. Fails if any offset fails. SETTINGS=gpu runs it with the settings a GPU gets
@@ -139,6 +151,15 @@ OFFSETS ?= 10
 sweep: $(STAMP)
 	@test -n "$(NB)" || { echo "make sweep needs a notebook: make sweep NB=book/09_vit.ipynb [OFFSETS=10]" >&2; exit 2; }
 	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 $(if $(filter gpu,$(SETTINGS)),--gpu-settings) --write $(NB)
+
+# A recorded experiment (attnbook.experiments): every point of its grid at every seed, JOBS at a time
+# (default 2, one thread each), resumable from _build/experiments/NAME.jsonl; the record is written to
+# book/experiments/NAME.json with its provenance and the fingerprint of the files its runs executed,
+# which tests/test_experiments.py checks.
+experiment: $(STAMP)
+	@test -n "$(NAME)" || { $(BIN)/python scripts/run_experiment.py --list; \
+		echo "make experiment needs a name: make experiment NAME=<one of the above>" >&2; exit 2; }
+	$(BIN)/python scripts/run_experiment.py --jobs $(if $(filter command line,$(origin JOBS)),$(JOBS),2) $(NAME)
 
 # Each notebook's execution time with the normal settings, as a table (the committed notebooks are
 # not touched).

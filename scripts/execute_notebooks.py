@@ -1,6 +1,6 @@
 """Execute notebooks top to bottom, in place; a notebook is replaced only when its whole run succeeded.
 
-Usage: python scripts/execute_notebooks.py [--out DIR] [--jobs N] [--robust [--both]] [NOTEBOOK ...]
+Usage: python scripts/execute_notebooks.py [--out DIR] [--jobs N] [--robust [--both]] [--busy N] [NOTEBOOK ...]
        (default: every book/NN_*.ipynb)
 
 With ``--out DIR`` the executed notebooks are written to DIR and the originals are never touched
@@ -14,11 +14,17 @@ finish the book sooner than one after another on two threads; each notebook's ow
 longer, and the 90 s budget (one notebook alone on 2 cores) is not checked.
 
 With ``--robust`` (``make robust``) each notebook runs once more under another seed offset and other
-CPU kernels, into ``--out``: in book order the notebooks alternate between seed offset 1 with the
-avx2 kernel family and seed offset 2 with the default (plain) family, so that both families run
+CPU kernels, into ``--out``: in book order the notebooks alternate between seed offset 11 with the
+avx2 kernel family and seed offset 12 with the default (plain) family, so that both families run
 across the book in half the time of running each notebook under both. ``--both`` runs each
-notebook under both. The margins of the claims come from sweeps over ten offsets and both families
-(scripts/sweep_notebooks.py); this run checks that they still hold on a fresh draw.
+notebook under both. The margins of the claims come from sweeps over offsets 1 to 10 and both
+families (scripts/sweep_notebooks.py); offsets 11 and 12 are seeds no sweep saw (each offset trains
+seeds of its own: attnbook.shifted_seed), so this run checks the margins on a fresh draw.
+
+With ``--busy N`` (``make robust`` passes ``--busy 2``), the notebooks that assert a timing (their
+metadata says ``"attnbook": {"asserts_timing": true}``) run after the others, while N processes keep
+N cores busy with matrix products (each stops by itself after an hour at most): a timing claim must
+hold on a reader's busy laptop, and CI runs two notebooks side by side.
 
 Progress bars write carriage returns to stderr many times a second; before saving, consecutive
 stream outputs are merged and each line keeps only what a terminal would show after its last
@@ -27,9 +33,11 @@ carriage return, so the stored notebook holds each bar's final state once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -51,7 +59,8 @@ KERNEL_FAMILIES = {
     "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
                 "ONEDNN_MAX_CPU_ISA": "SSE41"},
 }
-ROBUST_OFFSETS = (1, 2)  # make robust: offset 1 (avx2) and offset 2 (default), alternating by notebook
+# make robust: offset 11 (avx2) and offset 12 (default), alternating by notebook; beyond the sweeps' 1..10
+ROBUST_OFFSETS = (11, 12)
 
 
 def kernel_family(offset: int) -> str:
@@ -72,6 +81,42 @@ def robust_offsets(path: Path, both: bool = False) -> tuple[int, ...]:
     names = [p.name for p in sorted(path.parent.glob("[0-9][0-9]_*.ipynb"))]
     place = names.index(path.name) if path.name in names else 0
     return (ROBUST_OFFSETS[place % len(ROBUST_OFFSETS)],)
+
+
+# A busy machine (--busy N): N processes that each keep one core busy with matrix products while the
+# notebooks run, as a reader's laptop busy with other work would, or CI running two notebooks side by
+# side. Each stops by itself after BUSY_LIMIT_S even if this script is killed, and is stopped as soon
+# as the notebooks are done.
+BUSY_LIMIT_S = 3600
+BUSY_LOAD = """
+import sys, time
+import numpy as np
+a = np.random.default_rng(0).random((384, 384), dtype=np.float32)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    a = a @ a
+    a /= np.abs(a).max()
+"""
+
+
+@contextlib.contextmanager
+def busy_machine(processes: int, limit_s: float = BUSY_LIMIT_S):
+    """While the block runs, ``processes`` load processes each keep one core busy (one thread
+    each); they are stopped when it ends, and stop by themselves after ``limit_s``."""
+    single = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    loads = [subprocess.Popen([sys.executable, "-c", BUSY_LOAD, str(limit_s)], env={**os.environ, **single},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(processes)]
+    try:
+        yield loads
+    finally:
+        for load in loads:
+            load.terminate()
+        for load in loads:
+            try:
+                load.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                load.kill()
 
 
 def resolve_carriage_returns(text: str) -> str:
@@ -123,14 +168,28 @@ def execute(path: Path, out_dir: Path | None = None, out_name: str | None = None
 BUDGET_S = 90  # per notebook, on a 2-core CPU (DESIGN.md)
 
 
-def machine() -> str:
-    """CPU model, cores, torch version and the settings that change the kernels (for timing tables)."""
-    model = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    """The commit the working tree is at, with ``+changes`` when tracked files differ from it (the
+    provenance of a sweep or a recorded experiment)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def machine() -> str:
+    """CPU model, cores, torch version and the settings that change the kernels (for timing tables)."""
+    model = cpu_model()
     try:
         from importlib.metadata import version
 
@@ -185,8 +244,8 @@ def _run(path: Path, out_dir: Path | None, offset: int | None = None) -> tuple[P
 
 
 def main(argv: list[str]) -> int:
-    out_dir, jobs, robust, both = None, 1, False, False
-    while argv[:1] in (["--out"], ["--jobs"], ["--robust"], ["--both"]):
+    out_dir, jobs, robust, both, busy = None, 1, False, False, 0
+    while argv[:1] in (["--out"], ["--jobs"], ["--robust"], ["--both"], ["--busy"]):
         if argv[0] in ("--robust", "--both"):
             robust, both = True, both or argv[0] == "--both"
             argv = argv[1:]
@@ -197,9 +256,12 @@ def main(argv: list[str]) -> int:
         if argv[0] == "--out":
             out_dir = Path(argv[1])
             out_dir.mkdir(parents=True, exist_ok=True)
-        elif not argv[1].isdigit() or int(argv[1]) < 1:
-            print(f"--jobs needs a whole number >= 1, got {argv[1]!r}", file=sys.stderr)
+        elif not argv[1].isdigit() or int(argv[1]) < (0 if argv[0] == "--busy" else 1):
+            least = 0 if argv[0] == "--busy" else 1
+            print(f"{argv[0]} needs a whole number >= {least}, got {argv[1]!r}", file=sys.stderr)
             return 2
+        elif argv[0] == "--busy":
+            busy = int(argv[1])
         else:
             jobs = int(argv[1])
         argv = argv[2:]
@@ -208,29 +270,20 @@ def main(argv: list[str]) -> int:
         return 2
     paths = [Path(p) for p in argv] or sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
     tasks = [(path, offset) for path in paths for offset in (robust_offsets(path, both) if robust else [None])]
-    failed, times = [], {}
-    start = time.perf_counter()
-    if jobs == 1:
-        results = (_run(path, out_dir, offset) for path, offset in tasks)
-    else:
-        pool = ProcessPoolExecutor(jobs, initializer=_limit_threads, initargs=(threads_per_job(jobs),))
-        futures = [pool.submit(_run, path, out_dir, offset) for path, offset in tasks]
-        results = (future.result() for future in as_completed(futures))
-    for path, offset, seconds, error in results:
-        label = path.name if offset is None else f"{path.name} (offset {offset}, {kernel_family(offset)} kernels)"
-        if seconds is None:
-            failed.append(path)
-            print(f"FAILED {label}: {error}", file=sys.stderr)
-            continue
-        print(f"{label}: executed in {seconds:.1f} s", flush=True)
-        times[path.name, offset] = seconds
-    wall = time.perf_counter() - start
-    if jobs > 1:
-        pool.shutdown()
+    # with --busy, the notebooks that assert a timing run last, beside the load; the others before, without
+    phases = [(tasks, 0)] if not busy else [
+        ([t for t in tasks if not asserts_timing(t[0])], 0), ([t for t in tasks if asserts_timing(t[0])], busy)]
+    failed, times, wall = [], {}, 0.0
+    for phase, load in phases:
+        if phase:
+            with busy_machine(load):
+                wall += run_phase(phase, out_dir, jobs, failed, times, load)
     ordered = {}  # book order
     for path, offset in tasks:
         if (path.name, offset) in times:
             name = path.name if offset is None else f"{path.name} ({offset}, {kernel_family(offset)})"
+            if busy and asserts_timing(path):
+                name += f", beside {busy} busy"
             ordered[name] = times[path.name, offset]
     if len(ordered) > 1:
         table = timings_table(ordered, jobs, wall if jobs > 1 else None)
@@ -241,6 +294,37 @@ def main(argv: list[str]) -> int:
         print(f"\n{len(failed)} notebook run(s) failed: " + ", ".join(sorted({p.name for p in failed})),
               file=sys.stderr)
     return 1 if failed else 0
+
+
+def asserts_timing(path: Path) -> bool:
+    """Whether a notebook asserts a timing (its metadata: ``"attnbook": {"asserts_timing": true}``)."""
+    return bool(nbformat.read(path, as_version=4).metadata.get("attnbook", {}).get("asserts_timing"))
+
+
+def run_phase(tasks, out_dir: Path | None, jobs: int, failed: list, times: dict, busy: int) -> float:
+    """Execute ``tasks`` ``(path, offset)``, ``jobs`` at a time; fills ``failed`` and ``times``; returns the
+    wall time."""
+    start = time.perf_counter()
+    pool = None
+    if jobs == 1:
+        results = (_run(path, out_dir, offset) for path, offset in tasks)
+    else:
+        pool = ProcessPoolExecutor(jobs, initializer=_limit_threads, initargs=(threads_per_job(jobs),))
+        futures = [pool.submit(_run, path, out_dir, offset) for path, offset in tasks]
+        results = (future.result() for future in as_completed(futures))
+    for path, offset, seconds, error in results:
+        label = path.name if offset is None else f"{path.name} (offset {offset}, {kernel_family(offset)} kernels)"
+        if busy:
+            label += f", beside {busy} busy process{'es' if busy > 1 else ''}"
+        if seconds is None:
+            failed.append(path)
+            print(f"FAILED {label}: {error}", file=sys.stderr)
+            continue
+        print(f"{label}: executed in {seconds:.1f} s", flush=True)
+        times[path.name, offset] = seconds
+    if pool is not None:
+        pool.shutdown()
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--job
        python scripts/sweep_notebooks.py --from DIR [--offsets ...] NOTEBOOK ...   (report on kept runs)
 
 ``make robust`` runs each notebook at two seed offsets; a threshold set from those few runs is not a
-margin. This runs a notebook under ``ATTNBOOK_SEED_OFFSET`` = 0 .. N-1 (default N = 10), or the
+margin. This runs a notebook under ``ATTNBOOK_SEED_OFFSET`` = 1 .. N (default N = 10), or the
 offsets listed (``3,7,11``; ranges such as ``10-19`` too; one offset alone: ``7,``), with the CPU
 kernel family alternating between ``avx2`` (odd offsets) and ``default`` (even offsets), as ``make
-robust`` pairs them, so both families are covered and a margin is taken over both. A family caps
+robust`` pairs them, so both families are covered and a margin is taken over both. Offset 0 is
+the page's own run, so it is not one of the sweep's: each offset trains seeds no other offset
+shares (``attnbook.shifted_seed``), and a sweep of ten offsets is ten independent draws beside the
+page's. ``make robust`` runs offsets beyond the sweep's (execute_notebooks.ROBUST_OFFSETS). A family caps
 PyTorch's own kernels and the instructions of MKL and oneDNN, which do the matrix products and
 convolutions (execute_notebooks.KERNEL_FAMILIES). Each run has ``OMP_NUM_THREADS=1``;
 ``--jobs`` (default 2) run at once. Every run is executed into a temporary folder (kept with
@@ -63,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import execute_notebooks  # noqa: E402
 from attnbook.sweeps import SWEEP_READER, fingerprint  # noqa: E402
+from attnbook.utils import SEED_STRIDE  # noqa: E402
 
 # a number not glued to a name (layer1, x2) or to another number: -3, +0.25, 1e-3, 34%; 1,234 is two numbers
 NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?%?")
@@ -75,12 +79,13 @@ def capability(offset: int) -> str:
 
 
 def parse_offsets(text: str) -> list[int]:
-    """``10`` means 0..9; ``3,7,11`` and ``10-12`` list offsets (``7,`` is offset 7 alone)."""
+    """``10`` means 1..10 (offset 0 is the page's own run); ``3,7,11`` and ``10-12`` list offsets
+    (``7,`` is offset 7 alone)."""
     text = text.strip()
     if text.isdigit():
         if int(text) < 1:
             raise ValueError(f"--offsets needs a count >= 1 or a list such as 3,7,11, got {text!r}")
-        return list(range(int(text)))
+        return list(range(1, int(text) + 1))
     offsets: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         low, _, high = part.partition("-")
@@ -379,6 +384,9 @@ def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False) -> Path
         "notebook": path.stem,
         **({"settings": "gpu"} if gpu_settings else {}),
         "fingerprint": fingerprint(json.loads(path.read_text())),
+        # what the runs measured: the library at this commit, seeds shifted by this stride per offset
+        "commit": execute_notebooks.git_commit(),
+        "seed_stride": SEED_STRIDE,
         "runs": [
             {
                 "offset": run.offset,
@@ -412,7 +420,7 @@ def sweep(path: Path, offsets: list[int], jobs: int, out_dir: Path, ipython_dir:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--run-one"]:
         return run_one(Path(argv[1]), Path(argv[2]))
-    offsets, jobs, keep, source, all_lines, write, paths = list(range(10)), 2, None, None, False, False, []
+    offsets, jobs, keep, source, all_lines, write, paths = list(range(1, 11)), 2, None, None, False, False, []
     gpu_settings = False
     while argv:
         name, argv = argv[0], argv[1:]

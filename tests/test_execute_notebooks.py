@@ -3,6 +3,7 @@ the threads it was given, and a table of their times."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_sweep_reports_the_failing_offset_and_the_spread(tmp_path, capsys):
     path = write_seeded_notebook(tmp_path / "01_seeded.ipynb")
     before = path.read_text()
     keep = tmp_path / "runs"
-    assert sweep_notebooks.main(["--offsets", "3", "--keep", str(keep), str(path)]) == 1
+    assert sweep_notebooks.main(["--offsets", "0-2", "--keep", str(keep), str(path)]) == 1
     report = capsys.readouterr().out
     # kernels alternate: default at even offsets, avx2 at odd ones
     assert "| 0 | default |" in report and "| 1 | avx2 |" in report and "| 2 | default |" in report
@@ -90,13 +91,31 @@ def test_sweep_reports_the_failing_offset_and_the_spread(tmp_path, capsys):
     assert sorted(p.name for p in keep.iterdir()) == [f"01_seeded.offset{i}.ipynb" for i in range(3)]
 
 
+def test_sweep_keeps_its_runs_glued_figures_and_what_they_measured(tmp_path, capsys):
+    from attnbook.utils import SEED_STRIDE
+
+    path = tmp_path / "01_glued.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\nfrom myst_nb import glue\n"
+        "glue('score', 0.5 + int(os.environ['ATTNBOOK_SEED_OFFSET']), display=False)")]), path)
+    assert sweep_notebooks.main(["--offsets", "2", "--write", str(path)]) == 0
+    data = json.loads((tmp_path / "sweeps" / "01_glued.json").read_text())
+    assert [(run["offset"], run["kernels"], run["ok"]) for run in data["runs"]] == [
+        (1, "avx2", True), (2, "default", True)]
+    assert [run["glued"]["score"] for run in data["runs"]] == [1.5, 2.5]
+    assert data["seed_stride"] == SEED_STRIDE and len(data["commit"].split("+")[0]) == 40
+    assert data["fingerprint"] == sweep_notebooks.fingerprint(json.loads(path.read_text()))
+    capsys.readouterr()
+
+
 def test_sweep_passes_when_every_offset_holds(tmp_path, capsys):
     path = write_seeded_notebook(tmp_path / "01_seeded.ipynb")
     assert sweep_notebooks.main(["--offsets", "0,1", "--jobs", "1", str(path)]) == 0
     assert "## Failures: none" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("text, offsets", [("3", [0, 1, 2]), ("3,7,11", [3, 7, 11]), ("7,", [7]),
+# a count starts at 1: offset 0 is the page's own run, not one of its sweep's
+@pytest.mark.parametrize("text, offsets", [("3", [1, 2, 3]), ("3,7,11", [3, 7, 11]), ("7,", [7]),
                                            ("10-12,4", [10, 11, 12, 4])])
 def test_sweep_offsets(text, offsets):
     assert sweep_notebooks.parse_offsets(text) == offsets
@@ -150,13 +169,14 @@ def test_robust_alternates_offset_and_kernel_family_by_notebook(tmp_path, monkey
     paths = [write_env_notebook(tmp_path / f"0{i}_tiny.ipynb") for i in (1, 2, 3)]
     out = tmp_path / "out"
     assert execute_notebooks.main(["--robust", "--out", str(out), "--jobs", str(jobs), *map(str, paths)]) == 0
-    avx2 = "1 avx2 AVX2 AVX2"
-    plain = "2 default SSE4_2 SSE41"
-    assert [printed_env(out / f"0{i}_tiny.offset{o}.ipynb") for i, o in ((1, 1), (2, 2), (3, 1))] == [
+    # offsets beyond the sweeps' 1..10: seeds no sweep saw
+    avx2 = "11 avx2 AVX2 AVX2"
+    plain = "12 default SSE4_2 SSE41"
+    assert [printed_env(out / f"0{i}_tiny.offset{o}.ipynb") for i, o in ((1, 11), (2, 12), (3, 11))] == [
         avx2, plain, avx2]
     assert sorted(p.name for p in out.glob("*.ipynb")) == [
-        "01_tiny.offset1.ipynb", "02_tiny.offset2.ipynb", "03_tiny.offset1.ipynb"]
-    assert "02_tiny.ipynb (2, default)" in (out / "timings.md").read_text()
+        "01_tiny.offset11.ipynb", "02_tiny.offset12.ipynb", "03_tiny.offset11.ipynb"]
+    assert "02_tiny.ipynb (12, default)" in (out / "timings.md").read_text()
     assert "ATTNBOOK_SEED_OFFSET" not in os.environ  # the variant was set for its run only
 
 
@@ -164,8 +184,8 @@ def test_robust_both_runs_every_notebook_under_both_variants(tmp_path):
     path = write_env_notebook(tmp_path / "01_tiny.ipynb")
     out = tmp_path / "out"
     assert execute_notebooks.main(["--robust", "--both", "--out", str(out), str(path)]) == 0
-    assert printed_env(out / "01_tiny.offset1.ipynb") == "1 avx2 AVX2 AVX2"
-    assert printed_env(out / "01_tiny.offset2.ipynb") == "2 default SSE4_2 SSE41"
+    assert printed_env(out / "01_tiny.offset11.ipynb") == "11 avx2 AVX2 AVX2"
+    assert printed_env(out / "01_tiny.offset12.ipynb") == "12 default SSE4_2 SSE41"
 
 
 def test_robust_never_writes_over_the_notebooks(tmp_path, capsys):
@@ -207,3 +227,40 @@ def test_the_avx2_family_computes_otherwise_on_an_avx512_cpu():
     assert avx2_gelu != own_gelu
     if "GenuineIntel" in CPUINFO:
         assert avx2_product != own_product
+
+
+# --- make robust's busy machine -----------------------------------------------------------------
+
+
+def write_load_notebook(path: Path, timed: bool) -> Path:
+    # prints how many load processes are running while it runs
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from pathlib import Path\n"
+        "loads = 0\n"
+        "for cmd in Path('/proc').glob('[0-9]*/cmdline'):\n"
+        "    try:\n"
+        "        loads += 'a /= np.abs(a).max()' in cmd.read_text()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(loads)")])
+    if timed:
+        nb.metadata["attnbook"] = {"asserts_timing": True}
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_busy_runs_the_timed_notebooks_beside_the_load_and_stops_it(tmp_path):
+    paths = [write_load_notebook(tmp_path / "01_plain.ipynb", False),
+             write_load_notebook(tmp_path / "02_timed.ipynb", True)]
+    out = tmp_path / "out"
+    assert execute_notebooks.main(["--robust", "--busy", "2", "--out", str(out), *map(str, paths)]) == 0
+    assert printed_env(out / "01_plain.offset11.ipynb") == "0"  # no load beside an untimed notebook
+    assert printed_env(out / "02_timed.offset12.ipynb") == "2"  # two beside a timed one
+    assert "02_timed.ipynb (12, default), beside 2 busy" in (out / "timings.md").read_text()
+    with execute_notebooks.busy_machine(1, limit_s=60) as loads:
+        assert loads[0].poll() is None  # running
+    assert loads[0].poll() is not None  # stopped with the block
+    with execute_notebooks.busy_machine(1, limit_s=0.5) as loads:
+        loads[0].wait(timeout=30)  # and stops by itself after its limit
+    assert execute_notebooks.main(["--busy", "-1", str(paths[0])]) == 2

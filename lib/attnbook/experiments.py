@@ -1,0 +1,227 @@
+"""Recorded experiments: the runs a page's budget cannot hold, made once and kept.
+
+A page re-runs in a minute or so; a fair experiment (a grid of data sizes, steps and
+learning rates, a model trained until every seed has learned) can take hours. Such an
+experiment is a module under ``book/experiments/`` that declares
+
+- ``GRID``: its points, a list of dicts of parameters (:func:`grid` builds one from
+  axes);
+- ``SEEDS``: the seeds every point is trained with;
+- ``run(point, seed) -> dict``: one training, returning its figures by name (floats).
+
+``make experiment NAME=<module>`` (``scripts/run_experiment.py``) runs every point at
+every seed, two at a time, resumable, and writes ``book/experiments/<module>.json``: the
+figures of every run and their provenance (the commit, the torch version, the CPU, the
+threads, the dates and the wall time). It also records which files of the library (and
+the experiment's own module) the runs executed, and a :func:`fingerprint` of their
+sources: ``tests/test_experiments.py`` fails, naming the command that refreshes it, when
+one of them changes, while a change elsewhere in the library leaves the record valid.
+
+A page reads the record with :func:`load_record` for its figures, tables and asserts,
+and runs one grid point again on every run of the page: :meth:`Record.pick` chooses it
+from the clock, the page runs the module's own ``run`` on it, and :meth:`Record.check`
+asserts that the figures land inside the recorded spread of that point, widened by a
+stated tolerance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (lib/attnbook/ -> ..)
+
+
+def grid(**axes) -> list[dict]:
+    """Every combination of the ``axes`` (name -> list of values), the last axis
+    varying fastest: ``grid(a=[1, 2], b=["x"])`` is ``[{"a": 1, "b": "x"}, {"a": 2,
+    "b": "x"}]``."""
+    for name, values in axes.items():
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise ValueError(f"axis {name!r} must be a list of values, got {values!r}")
+        if not list(values):
+            raise ValueError(f"axis {name!r} has no values")
+    names = list(axes)
+    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(
+        *(list(axes[name]) for name in names)
+    )]
+
+
+def fingerprint(files, root: Path | str = ROOT) -> str:
+    """SHA-256 of the named files' contents (paths relative to ``root``), in sorted
+    order with their names: what a record's runs executed. A missing file raises a
+    ``FileNotFoundError`` naming it."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        path = Path(root) / name
+        if not path.is_file():
+            raise FileNotFoundError(f"a recorded experiment ran {name}, which is gone")
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def point_key(point: dict) -> str:
+    """A point as one canonical string (its parameters, sorted), for lookups."""
+    return json.dumps(point, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One recorded training: its grid ``point``, its ``seed``, its figures
+    (``metrics``: name -> float) and its time in ``seconds``."""
+
+    point: dict
+    seed: int
+    metrics: dict
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Record:
+    """A recorded experiment (:func:`load_record`): its ``name``, the ``files`` its runs
+    executed and their ``fingerprint``, its ``provenance`` and its ``runs`` in grid
+    order."""
+
+    name: str
+    fingerprint: str
+    files: tuple[str, ...]
+    provenance: dict
+    runs: tuple[Run, ...]
+
+    @property
+    def points(self) -> list[dict]:
+        """The grid's points, each once, in the order they were declared."""
+        seen = {}
+        for run in self.runs:
+            seen.setdefault(point_key(run.point), run.point)
+        return list(seen.values())
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted({run.seed for run in self.runs})
+
+    def select(self, **where) -> list[Run]:
+        """The runs whose point has every parameter of ``where`` at that value."""
+        if where:
+            known = {name for run in self.runs for name in run.point}
+            unknown = sorted(set(where) - known)
+            if unknown:
+                raise KeyError(
+                    f"{self.name} has no parameter {unknown}; its parameters: "
+                    f"{sorted(known)}"
+                )
+        return [
+            run for run in self.runs
+            if all(run.point.get(name) == value for name, value in where.items())
+        ]
+
+    def values(self, metric: str, **where) -> list[float]:
+        """Figure ``metric`` of every run matching ``where`` (:meth:`select`), in seed
+        order within grid order."""
+        runs = self.select(**where)
+        if not runs:
+            raise KeyError(f"no run of {self.name} has {where}")
+        missing = [run for run in runs if metric not in run.metrics]
+        if missing:
+            raise KeyError(
+                f"{self.name} recorded no {metric!r}; it recorded "
+                f"{sorted(missing[0].metrics)}"
+            )
+        return [run.metrics[metric] for run in runs]
+
+    def spread(self, metric: str, **where) -> tuple[float, float]:
+        """``(min, max)`` of :meth:`values`."""
+        values = self.values(metric, **where)
+        return min(values), max(values)
+
+    def pick(self, where=None, clock: int | None = None) -> tuple[dict, int]:
+        """A ``(point, seed)`` to run again, chosen from the clock (``time.time_ns()``,
+        or ``clock``), so every run of the page checks another one. ``where``, a
+        function of a point, limits the choice (to the points a page's budget allows,
+        say)."""
+        runs = [run for run in self.runs if where is None or where(run.point)]
+        if not runs:
+            raise ValueError(f"no point of {self.name} satisfies the condition given")
+        clock = time.time_ns() if clock is None else clock
+        chosen = runs[(clock // 1000) % len(runs)]
+        return dict(chosen.point), chosen.seed
+
+    def check(self, point: dict, metrics: dict, tolerance: dict) -> list[tuple]:
+        """Assert that each figure of ``metrics`` (a run of ``point`` made again) lies
+        inside the recorded spread of that point, widened by ``tolerance[name]`` on each
+        side; returns the rows ``(name, this run, recorded min, recorded max,
+        tolerance)``. A figure outside raises an ``AssertionError`` that says by how
+        much; a name without a tolerance raises a ``ValueError``."""
+        rows = []
+        runs = [run for run in self.runs if point_key(run.point) == point_key(point)]
+        if not runs:
+            raise KeyError(f"{point} is not a point of {self.name}")
+        for name, value in metrics.items():
+            if name not in tolerance:
+                raise ValueError(f"no tolerance given for {name!r}")
+            low, high = self.spread(name, **point)
+            slack = float(tolerance[name])
+            rows.append((name, float(value), low, high, slack))
+            if not (low - slack <= value <= high + slack) or math.isnan(value):
+                raise AssertionError(
+                    f"{self.name} at {point}: {name} = {value:.4g} lies outside the "
+                    f"recorded [{low:.4g}, {high:.4g}] widened by {slack:g}"
+                )
+        return rows
+
+
+def staleness(name: str, folder: Path | str | None = None) -> str | None:
+    """Why the record of ``name`` no longer describes its code (a file its runs executed
+    changed or is gone), naming the command that refreshes it; ``None`` while it
+    does."""
+    record = load_record(name, folder)
+    try:
+        current = fingerprint(record.files, ROOT)
+    except FileNotFoundError as error:
+        current = str(error)
+    if current == record.fingerprint:
+        return None
+    return (
+        f"the record of the experiment {name} was measured on other code than "
+        f"{', '.join(record.files)} hold now: refresh it with `make experiment "
+        f"NAME={name}`"
+    )
+
+
+def load_record(name: str, folder: Path | str | None = None) -> Record:
+    """The record of experiment ``name`` from ``folder`` (default ``experiments/``
+    under the working directory, which is ``book/`` when a notebook runs)."""
+    path = Path("experiments" if folder is None else folder) / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no record of the experiment {name} at {path.resolve()}: run `make "
+            f"experiment NAME={name}`"
+        )
+    data = json.loads(path.read_text())
+    missing = {"name", "fingerprint", "files", "provenance", "runs"} - set(data)
+    if missing:
+        raise ValueError(f"{path} is not a record: it lacks {sorted(missing)}")
+    runs = tuple(
+        Run(run["point"], run["seed"], run["metrics"], run["seconds"])
+        for run in data["runs"]
+    )
+    return Record(
+        data["name"], data["fingerprint"], tuple(data["files"]), data["provenance"],
+        runs
+    )
+
+
+__all__ = [
+    "Record",
+    "Run",
+    "fingerprint",
+    "grid",
+    "load_record",
+    "point_key",
+    "staleness",
+]

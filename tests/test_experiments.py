@@ -1,0 +1,180 @@
+"""Recorded experiments: every record in book/experiments/ matches the code its runs executed and
+covers its grid; the runner records, resumes and fingerprints only what ran; the page's reader and
+its re-run check."""
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from attnbook.experiments import Record, Run, fingerprint, grid, load_record, staleness
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "book" / "experiments"
+RECORDS = sorted(EXPERIMENTS.glob("*.json"))
+sys.path.insert(0, str(ROOT / "scripts"))
+import run_experiment  # noqa: E402
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=[path.stem for path in RECORDS])
+def test_every_record_measured_the_code_as_it_is(path):
+    reason = staleness(path.stem, EXPERIMENTS)
+    assert reason is None, reason
+    record = load_record(path.stem, EXPERIMENTS)
+    module = run_experiment.load_module(path.stem)
+    expected = sorted(run_experiment.task_key(p, s) for p, s in run_experiment.tasks_of(module))
+    found = sorted(run_experiment.task_key(run.point, run.seed) for run in record.runs)
+    assert found == expected, f"{path.name} does not cover GRID x SEEDS of {path.stem}.py"
+    for key in ("commit", "torch", "device", "threads_per_process", "started", "finished",
+                "wall_seconds", "run_seconds"):
+        assert key in record.provenance, key
+
+
+def test_every_experiment_has_its_record():
+    modules = [p.stem for p in EXPERIMENTS.glob("*.py") if not p.stem.startswith("_")]
+    missing = [m for m in modules if not (EXPERIMENTS / f"{m}.json").is_file()]
+    assert not missing, f"run `make experiment NAME=...` for {missing}"
+
+
+def test_grid_is_every_combination_last_axis_fastest():
+    assert grid(a=[1, 2], b=["x", "y"]) == [
+        {"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"}]
+    with pytest.raises(ValueError, match="axis 'a' has no values"):
+        grid(a=[])
+    with pytest.raises(ValueError, match="axis 'b' must be a list"):
+        grid(b="xy")
+
+
+TOY = '''
+from attnbook.masks import causal_mask
+
+GRID = [{"n": 2}, {"n": 3}]
+SEEDS = (0, 1)
+
+
+def COST(point):
+    return point["n"]
+
+
+def run(point, seed):
+    with open(__file__ + ".calls", "a") as calls:
+        calls.write(f"{point['n']} {seed}\\n")
+    return {"allowed": float((~causal_mask(point["n"])).sum()) + seed, "n": point["n"]}
+'''
+
+
+@pytest.fixture
+def toy_folder():
+    # the runner records paths relative to the repository, so the folder lies inside it
+    (ROOT / "_build").mkdir(exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="test-experiments-", dir=ROOT / "_build"))
+    (folder / "toy.py").write_text(TOY)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def calls(folder):
+    path = folder / "toy.py.calls"
+    return sorted(path.read_text().split("\n")[:-1]) if path.exists() else []
+
+
+def test_the_runner_records_every_run_and_only_the_files_they_executed(toy_folder):
+    out = run_experiment.run_experiment("toy", jobs=2, folder=toy_folder, partial_folder=toy_folder,
+                                        progress=False)
+    data = json.loads(out.read_text())
+    toy = str((toy_folder / "toy.py").relative_to(ROOT))
+    # causal_mask's module and the validators it calls; not the rest of the library
+    assert data["files"] == sorted([toy, "lib/attnbook/masks.py", "lib/attnbook/utils.py"])
+    assert data["fingerprint"] == fingerprint(data["files"], ROOT)
+    assert [(r["point"]["n"], r["seed"]) for r in data["runs"]] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    record = load_record("toy", toy_folder)
+    assert record.values("allowed", n=3) == [6.0, 7.0]  # 3 * 4 / 2 allowed entries, + seed
+    assert record.points == [{"n": 2}, {"n": 3}] and record.seeds == [0, 1]
+    assert staleness("toy", toy_folder) is None
+    for key in ("commit", "torch", "device", "cores", "processes", "started", "finished"):
+        assert key in data["provenance"]
+    assert data["provenance"]["run_seconds"] >= 0 and data["provenance"]["sessions"] == 1
+    # a line changed in a file the runs executed: the record is stale, and says how to refresh it
+    (toy_folder / "toy.py").write_text(TOY + "\n# changed\n")
+    message = staleness("toy", toy_folder)
+    assert "make experiment NAME=toy" in message and "toy.py" in message
+    assert "STALE" in run_experiment.list_experiments(toy_folder)
+
+
+def test_the_runner_resumes_where_it_stopped(toy_folder):
+    state = run_experiment.source_state("toy", toy_folder)
+    kept = {"point": {"n": 3}, "seed": 1, "metrics": {"allowed": 99.0, "n": 3.0}, "seconds": 0.5,
+            "files": []}
+    (toy_folder / "toy.jsonl").write_text(json.dumps({"state": state}) + "\n" + json.dumps(kept) + "\n")
+    run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
+                                  progress=False)
+    assert calls(toy_folder) == ["2 0", "2 1", "3 0"]  # the kept run was not run again
+    assert load_record("toy", toy_folder).values("allowed", n=3) == [6.0, 99.0]
+    # a partial of another version of the code is not kept
+    (toy_folder / "toy.py.calls").unlink()
+    (toy_folder / "toy.jsonl").write_text(json.dumps({"state": "other"}) + "\n" + json.dumps(kept) + "\n")
+    run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
+                                  progress=False)
+    assert calls(toy_folder) == ["2 0", "2 1", "3 0", "3 1"]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("SEEDS = (0,)\ndef run(point, seed): return {}", "GRID must be a non-empty list of dicts"),
+    ("GRID = [{}]\nSEEDS = (-1,)\ndef run(point, seed): return {}", "SEEDS must be a non-empty list"),
+    ("GRID = [{}]\nSEEDS = (0,)", "no function run"),
+    ("GRID = [{'a': 1}, {'a': 1}]\nSEEDS = (0,)\ndef run(point, seed): return {}", "lists a point twice"),
+])
+def test_the_runner_refuses_a_malformed_experiment(toy_folder, source, message):
+    (toy_folder / "bad.py").write_text(source)
+    with pytest.raises(ValueError, match=message):
+        run_experiment.load_module("bad", toy_folder)
+    with pytest.raises(ValueError, match="no experiment 'nothing'"):
+        run_experiment.load_module("nothing", toy_folder)
+
+
+def test_a_failing_run_is_reported_and_the_others_kept(toy_folder):
+    (toy_folder / "toy.py").write_text(TOY.replace("    return {", "    assert point['n'] == 2\n    return {"))
+    with pytest.raises(RuntimeError, match="2 run\\(s\\) of toy raised"):
+        run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
+                                      progress=False)
+    kept = (toy_folder / "toy.jsonl").read_text().splitlines()
+    assert sum('"point"' in line for line in kept) == 2  # the n = 2 runs
+    assert not (toy_folder / "toy.json").exists()
+
+
+def record(runs):
+    return Record("nb", "f", ("a.py",), {}, tuple(Run(p, s, m, 1.0) for p, s, m in runs))
+
+
+def test_pick_draws_from_the_clock_and_check_widens_the_spread_by_the_tolerance():
+    rec = record([({"lr": 1}, 0, {"acc": 0.80}), ({"lr": 1}, 1, {"acc": 0.84}),
+                  ({"lr": 2}, 0, {"acc": 0.5}), ({"lr": 2}, 1, {"acc": 0.6})])
+    assert rec.pick(clock=0) == ({"lr": 1}, 0) and rec.pick(clock=3000) == ({"lr": 2}, 1)
+    assert rec.pick(where=lambda p: p["lr"] == 2, clock=0) == ({"lr": 2}, 0)
+    with pytest.raises(ValueError, match="no point of nb"):
+        rec.pick(where=lambda p: False)
+    assert rec.check({"lr": 1}, {"acc": 0.86}, {"acc": 0.02}) == [("acc", 0.86, 0.80, 0.84, 0.02)]
+    rec.check({"lr": 1}, {"acc": 0.78}, {"acc": 0.02})  # just inside, below
+    with pytest.raises(AssertionError, match="acc = 0.87 lies outside the recorded \\[0.8, 0.84\\]"):
+        rec.check({"lr": 1}, {"acc": 0.87}, {"acc": 0.02})
+    with pytest.raises(AssertionError):
+        rec.check({"lr": 1}, {"acc": float("nan")}, {"acc": 1.0})
+    with pytest.raises(ValueError, match="no tolerance given for 'acc'"):
+        rec.check({"lr": 1}, {"acc": 0.8}, {})
+    with pytest.raises(KeyError, match="is not a point"):
+        rec.check({"lr": 3}, {"acc": 0.8}, {"acc": 0.1})
+    assert rec.spread("acc", lr=2) == (0.5, 0.6)
+    with pytest.raises(KeyError, match="no parameter \\['rate'\\]"):
+        rec.values("acc", rate=1)
+    with pytest.raises(KeyError, match="recorded no 'loss'"):
+        rec.values("loss")
+
+
+def test_load_record_names_the_command_when_there_is_none(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make experiment NAME=gone"):
+        load_record("gone", tmp_path)
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "bad"}))
+    with pytest.raises(ValueError, match="lacks"):
+        load_record("bad", tmp_path)
