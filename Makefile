@@ -145,12 +145,13 @@ robust: $(STAMP)
 # each offset trains seeds of its own), the avx2 kernel family at odd
 # offsets and the default family at even ones, two runs at a time on one thread each, into a temporary folder;
 # it prints which asserts fail at which offset and, for every printed number, its min, max and mean
-# over the offsets. Fails if any offset fails. SETTINGS=gpu runs it with the settings a GPU gets
+# over the offsets. Fails if any offset fails. A notebook that asserts a timing is swept beside BUSY
+# load processes, as make robust runs it. SETTINGS=gpu runs it with the settings a GPU gets
 # (as make gpu-settings does) and keeps it apart, in book/sweeps/<nb>.gpu.json.
 OFFSETS ?= 10
 sweep: $(STAMP)
 	@test -n "$(NB)" || { echo "make sweep needs a notebook: make sweep NB=book/09_vit.ipynb [OFFSETS=10]" >&2; exit 2; }
-	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 $(if $(filter gpu,$(SETTINGS)),--gpu-settings) --write $(NB)
+	$(BIN)/python scripts/sweep_notebooks.py --offsets $(OFFSETS) --jobs 2 --busy $(BUSY) $(if $(filter gpu,$(SETTINGS)),--gpu-settings) --write $(NB)
 
 # A recorded experiment (attnbook.experiments): every point of its grid at every seed, JOBS at a time
 # (default 2, one thread each), resumable from _build/experiments/NAME.jsonl; the record is written to

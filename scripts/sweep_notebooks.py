@@ -1,7 +1,7 @@
 """Execute a notebook under many seed offsets and report what fails and how far each printed figure moves.
 
 Usage: python scripts/sweep_notebooks.py [--offsets N | --offsets 3,7,11] [--jobs N] [--keep DIR] [--all-lines]
-                                          [--gpu-settings] [--write] NOTEBOOK ...
+                                          [--gpu-settings] [--busy N] [--write] NOTEBOOK ...
        python scripts/sweep_notebooks.py --from DIR [--offsets ...] NOTEBOOK ...   (report on kept runs)
 
 ``make robust`` runs each notebook at two seed offsets; a threshold set from those few runs is not a
@@ -37,6 +37,10 @@ With ``--write`` (``make sweep`` passes it) the sweep is also kept beside the no
 ``book/sweeps/<notebook>.json`` (:mod:`attnbook.sweeps`): every run's offset, kernels, whether it
 passed, and every value the notebook glued for its prose, with a fingerprint of the notebook's code.
 A notebook reads it with ``attnbook.sweeps.load_sweep`` to show the spread its thresholds rest on.
+
+With ``--busy N`` (``make sweep`` passes ``--busy 2``), a notebook that asserts a timing (metadata
+``"attnbook": {"asserts_timing": true}``) is swept beside N processes that keep N cores busy, as
+``make robust`` runs it: its timing thresholds get margins measured on a busy machine.
 
 With ``--gpu-settings`` every run takes the settings a GPU gets (``attnbook.on_gpu()`` says True, as in
 ``make gpu-settings``: the longer trainings, on the CPU), and the sweep is kept in
@@ -377,7 +381,7 @@ def glued_value(text: str):
         return text
 
 
-def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False) -> Path:
+def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False, busy: int = 0) -> Path:
     """Keep the sweep beside the notebook: ``book/sweeps/<notebook>.json`` (``<notebook>.gpu.json`` with the
     settings a GPU gets; see attnbook.sweeps)."""
     data = {
@@ -387,6 +391,7 @@ def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False) -> Path
         # what the runs measured: the library at this commit, seeds shifted by this stride per offset
         "commit": execute_notebooks.git_commit(),
         "seed_stride": SEED_STRIDE,
+        **({"busy": busy} if busy else {}),  # load processes beside the runs (a notebook that asserts a timing)
         "runs": [
             {
                 "offset": run.offset,
@@ -421,7 +426,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--run-one"]:
         return run_one(Path(argv[1]), Path(argv[2]))
     offsets, jobs, keep, source, all_lines, write, paths = list(range(1, 11)), 2, None, None, False, False, []
-    gpu_settings = False
+    gpu_settings, busy = False, 0
     while argv:
         name, argv = argv[0], argv[1:]
         if name == "--all-lines":
@@ -430,7 +435,7 @@ def main(argv: list[str]) -> int:
             write = True
         elif name == "--gpu-settings":
             gpu_settings = True
-        elif name in ("--offsets", "--jobs", "--keep", "--from"):
+        elif name in ("--offsets", "--jobs", "--keep", "--from", "--busy"):
             if not argv:
                 print(f"{name} needs a value", file=sys.stderr)
                 return 2
@@ -442,6 +447,10 @@ def main(argv: list[str]) -> int:
                     if not value.isdigit() or int(value) < 1:
                         raise ValueError(f"--jobs needs a whole number >= 1, got {value!r}")
                     jobs = int(value)
+                elif name == "--busy":
+                    if not value.isdigit():
+                        raise ValueError(f"--busy needs a whole number >= 0, got {value!r}")
+                    busy = int(value)
                 elif name == "--keep":
                     keep = Path(value)
                 else:
@@ -467,15 +476,17 @@ def main(argv: list[str]) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         ipython_dir = gpu_settings_ipython(Path(temporary)) if gpu_settings else None
         for path in paths:
-            runs = (kept_runs(path, offsets, source) if source
-                    else sweep(path.resolve(), offsets, jobs, out_dir, ipython_dir))
+            load = busy if execute_notebooks.asserts_timing(path) else 0  # timing claims: on a busy machine
+            with execute_notebooks.busy_machine(0 if source else load):
+                runs = (kept_runs(path, offsets, source) if source
+                        else sweep(path.resolve(), offsets, jobs, out_dir, ipython_dir))
             if not runs:
                 print(f"no kept runs of {path} in {source}", file=sys.stderr)
                 status = 1
                 continue
             print("\n" + report(path, runs, all_lines), flush=True)
             if write:
-                print(f"sweep kept in {write_sweep(path.resolve(), runs, gpu_settings)}", flush=True)
+                print(f"sweep kept in {write_sweep(path.resolve(), runs, gpu_settings, load)}", flush=True)
             status |= any(run.failure for run in runs)
     return 1 if status else 0
 
