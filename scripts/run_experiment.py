@@ -9,9 +9,11 @@ declare COST(point), a number proportional to a run's time, so the longest runs 
 the progress bar's estimate of the time left is right.
 
 Runs go N at a time (default 2), each in its own (spawned) process on one thread, with no seed offset. Each
-finished run is appended at once to _build/experiments/NAME.jsonl, so a run interrupted (Ctrl-C, a
-lost machine) resumes where it stopped: the runs already there are kept while the experiment's
-module and the library are unchanged (--restart discards them). While a run executes, the files
+finished run is appended at once to _build/experiments/NAME.jsonl with the fingerprint of the files it
+executed, so an experiment interrupted (Ctrl-C, a lost machine) resumes where it stopped: a run kept
+there is reused while its point and seed are still in the grid and the files it executed are unchanged
+(--restart discards them all). An experiment that keeps its training code in a module of its own
+(book/experiments/_NAME.py, say) can then grow its grid without running its old points again. While a run executes, the files
 of the library and of the experiment it calls are noted (a trace of Python calls); when every run
 is done, book/experiments/NAME.json is written: every run's figures and time, the files the runs
 executed with a fingerprint of their sources, and the provenance (commit, torch, CPU, threads,
@@ -24,7 +26,6 @@ Exit status 1 if a run raised, 2 for bad arguments.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import importlib.util
 import json
 import math
@@ -78,14 +79,6 @@ def task_key(point: dict, seed: int) -> str:
     return json.dumps({"point": point, "seed": seed}, sort_keys=True)
 
 
-def source_state(name: str, folder: Path = EXPERIMENTS, library: Path = LIBRARY) -> str:
-    """A hash of the experiment's module and the whole library: partial runs are kept while it holds."""
-    digest = hashlib.sha256()
-    for path in [folder / f"{name}.py", *sorted(library.rglob("*.py"))]:
-        digest.update(str(path.name).encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
 # --- one run, in a worker process -----------------------------------------------------------------
 
 def _init_worker() -> None:
@@ -117,8 +110,10 @@ def _run_task(name: str, folder: str, point: dict, seed: int) -> dict:
         str(Path(f).resolve().relative_to(ROOT)) for f in files
         if Path(f).is_file() and _inside(Path(f).resolve(), (LIBRARY, Path(folder).resolve()))
     )
+    from attnbook.experiments import fingerprint
+
     return {"point": point, "seed": seed, "metrics": metrics, "seconds": round(seconds, 3),
-            "files": executed}
+            "files": executed, "fingerprint": fingerprint(executed, ROOT)}
 
 
 def _inside(path: Path, folders) -> bool:
@@ -169,19 +164,28 @@ def write_record(name: str, module, done: dict, jobs: int, sessions: list[dict],
 
 # --- the driver ------------------------------------------------------------------------------------
 
-def read_partial(path: Path, state: str) -> tuple[dict, list[dict]]:
-    """The runs and sessions kept in ``path`` while its state is ``state``; nothing otherwise."""
+def read_partial(path: Path, tasks: set[str]) -> tuple[dict, list[dict]]:
+    """The runs kept in ``path`` that are still tasks of the grid and whose files are as they ran
+    (each run's fingerprint of the files it executed), and the sessions logged there."""
+    from attnbook.experiments import fingerprint
+
     done, sessions = {}, []
     if not path.is_file():
         return done, sessions
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not lines or lines[0].get("state") != state:
-        return {}, []
-    for line in lines[1:]:
-        if "session" in line:
-            sessions.append(line["session"])
-        else:
-            done[task_key(line["point"], line["seed"])] = line
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "session" in entry:
+            sessions.append(entry["session"])
+            continue
+        key = task_key(entry["point"], entry["seed"])
+        try:
+            current = fingerprint(entry["files"], ROOT)
+        except FileNotFoundError:
+            continue
+        if key in tasks and current == entry.get("fingerprint"):
+            done[key] = entry
     return done, sessions
 
 
@@ -190,13 +194,12 @@ def run_experiment(name: str, jobs: int = 2, restart: bool = False, folder: Path
     if not folder.resolve().is_relative_to(ROOT):
         raise ValueError(f"an experiment's folder must lie in the repository {ROOT}, got {folder}")
     module = load_module(name, folder)
-    state = source_state(name, folder)
     partial = partial_folder / f"{name}.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
-    done, sessions = ({}, []) if restart else read_partial(partial, state)
-    if not done and not sessions:
-        partial.write_text(json.dumps({"state": state}) + "\n")
-    elif done:
+    if restart:
+        partial.unlink(missing_ok=True)
+    done, sessions = read_partial(partial, {task_key(p, s) for p, s in tasks_of(module)})
+    if done:
         print(f"{name}: resuming, {len(done)} of {len(tasks_of(module))} runs kept in {partial}", flush=True)
     session = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     todo = [(p, s) for p, s in tasks_of(module) if task_key(p, s) not in done]

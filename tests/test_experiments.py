@@ -104,19 +104,26 @@ def test_the_runner_records_every_run_and_only_the_files_they_executed(toy_folde
 
 
 def test_the_runner_resumes_where_it_stopped(toy_folder):
-    state = run_experiment.source_state("toy", toy_folder)
+    files = [str((toy_folder / "toy.py").relative_to(ROOT)), "lib/attnbook/masks.py"]
     kept = {"point": {"n": 3}, "seed": 1, "metrics": {"allowed": 99.0, "n": 3.0}, "seconds": 0.5,
-            "files": []}
-    (toy_folder / "toy.jsonl").write_text(json.dumps({"state": state}) + "\n" + json.dumps(kept) + "\n")
+            "files": files, "fingerprint": fingerprint(files, ROOT)}
+    gone = {**kept, "point": {"n": 4}}  # a point no longer in the grid
+    (toy_folder / "toy.jsonl").write_text(json.dumps(kept) + "\n" + json.dumps(gone) + "\n")
     run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
                                   progress=False)
     assert calls(toy_folder) == ["2 0", "2 1", "3 0"]  # the kept run was not run again
-    assert load_record("toy", toy_folder).values("allowed", n=3) == [6.0, 99.0]
-    # a partial of another version of the code is not kept
+    record = load_record("toy", toy_folder)
+    assert record.values("allowed", n=3) == [6.0, 99.0] and len(record.runs) == 4
+    # a run whose files changed since is run again
     (toy_folder / "toy.py.calls").unlink()
-    (toy_folder / "toy.jsonl").write_text(json.dumps({"state": "other"}) + "\n" + json.dumps(kept) + "\n")
+    (toy_folder / "toy.jsonl").write_text(json.dumps({**kept, "fingerprint": "other"}) + "\n")
     run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
                                   progress=False)
+    assert calls(toy_folder) == ["2 0", "2 1", "3 0", "3 1"]
+    # --restart runs everything again
+    (toy_folder / "toy.py.calls").unlink()
+    run_experiment.run_experiment("toy", jobs=1, restart=True, folder=toy_folder,
+                                  partial_folder=toy_folder, progress=False)
     assert calls(toy_folder) == ["2 0", "2 1", "3 0", "3 1"]
 
 
