@@ -52,6 +52,8 @@ def load_module(name: str, folder: Path = EXPERIMENTS):
     if not path.is_file():
         known = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
         raise ValueError(f"no experiment {name!r} in {folder}; there are: {', '.join(known) or 'none'}")
+    if str(folder.parent) not in sys.path:  # the experiments import their helpers as experiments.*
+        sys.path.insert(0, str(folder.parent))
     spec = importlib.util.spec_from_file_location(f"experiments.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -213,8 +215,9 @@ def run_experiment(name: str, jobs: int = 2, restart: bool = False, folder: Path
     with open(partial, "a") as log, ProcessPoolExecutor(
         jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
     ) as pool, bar(
-        total=round(total_cost, 3), initial=round(sum(float(cost(d["point"])) for d in done.values()), 3),
-        desc=f"{name}: {len(todo)} runs", unit="cost", disable=not progress,
+        total=round(total_cost), initial=round(sum(float(cost(d["point"])) for d in done.values())),
+        desc=f"{name}: {len(todo)} runs", unit=" cost", disable=not progress,
+        bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]",
     ) as shown:
         pending = {pool.submit(_run_task, name, str(folder), p, s): (p, s) for p, s in todo}
         while pending:
@@ -231,7 +234,7 @@ def run_experiment(name: str, jobs: int = 2, restart: bool = False, folder: Path
                 done[task_key(point, seed)] = result
                 log.write(json.dumps(result) + "\n")
                 log.flush()
-                shown.update(round(float(cost(point)), 3))
+                shown.update(float(cost(point)))
         session["wall"] = round(time.perf_counter() - start, 1)
         log.write(json.dumps({"session": session}) + "\n")
     sessions.append(session)
