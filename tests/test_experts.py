@@ -225,3 +225,12 @@ def test_moe_rejects_bad_inputs_and_options():
         aux_loss(GPT(V, D, H, 1, 8))
     with pytest.raises(ValueError, match="run a forward first"):
         aux_loss(moe_gpt())
+
+
+def test_zero_tokens_give_a_zero_load_balancing_loss():
+    torch.manual_seed(0)
+    layer = MoEFeedForward(8, 12, num_experts=4, top_k=2, capacity_factor=1.0)
+    out = layer(torch.zeros(0, 8))
+    assert out.shape == (0, 8)
+    assert layer.aux_loss.item() == 0.0 and layer.dropped == 0.0
+    assert layer.tokens_per_expert.tolist() == [0, 0, 0, 0]

@@ -975,3 +975,112 @@ def test_beam_search_blocks_repeated_ngrams(gpt):
     for bad in (-1, 1.5, "2"):
         with pytest.raises((ValueError, TypeError), match="no_repeat_ngram"):
             beam_search(gpt, prompt, 4, no_repeat_ngram=bad)
+
+
+# --- issue 60: the decoding rules at their edges ----------------------------------------------
+
+
+def test_beam_search_never_lets_ngram_bans_and_suppression_ban_every_token(gpt):
+    """Prompt 0..7 with no_repeat_ngram=1 bans 0..7; suppress bans 8..15: after token 16 (the one
+    left) every token is banned. The n-gram rule yields then, never the suppression: no suppressed
+    token, and a finite score."""
+    suppress = list(range(8, 16))
+    tokens, score = beam_search(gpt, list(range(8)), 4, beam_size=2, suppress=suppress,
+                                no_repeat_ngram=1)
+    new = tokens[0, 8:].tolist()
+    assert new[0] == 16 and not set(new) & set(suppress), new
+    assert math.isfinite(score)
+    # the same score as greedy decoding over the tokens left (beam 1 is greedy)
+    greedy, greedy_score = beam_search(gpt, list(range(8)), 4, beam_size=1, suppress=suppress,
+                                       no_repeat_ngram=1)
+    assert not set(greedy[0, 8:].tolist()) & set(suppress) and math.isfinite(greedy_score)
+
+
+LOG_DYADIC = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()  # softmax gives them exactly in float32
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.5, [True, False, False, False]),
+                                         (0.5000001, [True, True, False, False]),
+                                         (0.75, [True, True, False, False]),
+                                         (0.7500001, [True, True, True, True])])
+def test_top_p_boundary_a_token_whose_betters_hold_exactly_p_is_dropped(top_p, kept):
+    """Token 1 has exactly 0.5 before it: top_p=0.5 is reached without it (the smallest set that
+    reaches p), so it is dropped; a hair above 0.5 keeps it."""
+    from attnbook import truncate_logits
+
+    assert torch.equal(torch.softmax(LOG_DYADIC, -1), torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    truncated = truncate_logits(LOG_DYADIC, top_p=top_p)
+    assert torch.isfinite(truncated).tolist() == kept
+
+
+def test_top_p_boundary_in_the_sampling_distribution():
+    from attnbook import sampling_probabilities
+
+    probabilities = sampling_probabilities(LOG_DYADIC, top_p=0.5)
+    assert probabilities.tolist() == [1.0, 0.0, 0.0, 0.0]
+    probabilities = sampling_probabilities(LOG_DYADIC, top_p=0.75)  # 0.5 and 0.25, renormalised
+    torch.testing.assert_close(probabilities, torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
+
+
+def test_speculative_refuses_a_quantized_cache_naming_it():
+    """A draft whose caches are 8-bit cannot roll rejected tokens back: the error names the cache
+    (not a sliding window)."""
+
+    class QuantizedGPT(GPT):
+        def decoding_caches(self, batch_size, context):
+            return self.make_caches(batch_size, kv_bits=8)
+
+    torch.manual_seed(0)
+    target = GPT(VOCAB, 16, 2, 1, 32).eval()
+    draft = QuantizedGPT(VOCAB, 16, 2, 1, 32).eval()
+    for pair in ((target, draft), (draft, target)):
+        with pytest.raises(ValueError, match="QuantizedKVCache") as error:
+            speculative_generate(*pair, [1, 2], 4)
+        assert "window" not in str(error.value)
+
+
+def left_padded(prompts, pad=0):
+    """``prompts`` (lists of ids) left-padded to the longest: ``(ids (B, T), key_padding_mask (B, T))``."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[True] * (longest - len(p)) + [False] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("options", [dict(), dict(positions="rope", num_kv_heads=2),
+                                     dict(positions="alibi"), dict(positions="sinusoidal", window=6),
+                                     dict(positions="rope", mla=dict(kv_lora_rank=8, qk_rope_head_dim=4,
+                                                                   qk_nope_head_dim=4, v_head_dim=8))])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_of_a_left_padded_batch_equals_decoding_each_prompt_alone(options, use_cache):
+    torch.manual_seed(0)
+    model = GPT(VOCAB, 32, 4, 2, 40, **options).eval()
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    ids, mask = left_padded(prompts)
+    out = generate(model, ids, 12, key_padding_mask=mask, use_cache=use_cache)
+    assert out.shape == (3, 7 + 12)
+    for row, prompt in zip(out, prompts, strict=True):
+        alone = generate(model, torch.tensor(prompt), 12, use_cache=use_cache)[0]
+        assert torch.equal(row[7 - len(prompt):], alone)
+
+
+def test_gpt_forward_with_a_padding_mask_gives_each_prompts_own_logits():
+    torch.manual_seed(0)
+    model = GPT(VOCAB, 32, 4, 2, 40).eval()
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6]]
+    ids, mask = left_padded(prompts)
+    logits = model(ids, key_padding_mask=mask)  # (2, 5, V)
+    assert torch.isfinite(logits).all()  # the padding's own rows see nothing: 0, not NaN
+    for row, prompt in zip(logits, prompts, strict=True):
+        torch.testing.assert_close(row[5 - len(prompt):], model(torch.tensor([prompt]))[0])
+    # cached: the prompt, then one token, the mask covering every key so far
+    caches = model.make_caches(2)
+    model(ids, caches, key_padding_mask=mask)
+    step = model(torch.tensor([[7], [7]]), caches,
+                 key_padding_mask=torch.cat([mask, torch.zeros(2, 1, dtype=torch.bool)], 1))
+    for row, prompt in zip(step, prompts, strict=True):
+        torch.testing.assert_close(row[-1], model(torch.tensor([prompt + [7]]))[0, -1])
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        model(ids, key_padding_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="sink_tokens"):
+        GPT(VOCAB, 32, 4, 1, 40, positions="rope", window=4, sink_tokens=1)(ids, key_padding_mask=mask)

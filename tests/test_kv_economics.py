@@ -375,3 +375,29 @@ def test_new_names_are_exported():
     for name in ("BlockPool", "PagedKVCache", "QuantizedKVCache", "QuantizedTensor", "dequantize_kv",
                  "generate_paged", "paged_memory_waste", "quantize_kv"):
         assert name in attnbook.__all__ and hasattr(attnbook, name)
+
+
+def test_generate_paged_frees_the_callers_blocks_when_it_raises():
+    torch.manual_seed(0)
+    model = GPT(13, 16, 2, 1, 32).eval()
+    pool = BlockPool(3, 4, 1, 2, 8)  # two prompts of 6 + 6 tokens need 6 blocks
+    with pytest.raises(RuntimeError, match="exhausted"):
+        generate_paged(model, [torch.arange(6), torch.arange(6)], 6, pool=pool)
+    assert sorted(pool.free_blocks) == [0, 1, 2]  # none leaked: the pool serves again
+    out = generate_paged(model, [torch.arange(4)], 4, pool=pool)
+    assert torch.equal(out[0], generate(model, torch.arange(4), 4)[0])
+
+
+def test_generate_paged_under_autocast_equals_generate():
+    torch.manual_seed(0)
+    model = GPT(13, 32, 4, 2, 48, positions="rope", num_kv_heads=2).eval()
+    prompts = [torch.randint(0, 13, (n,)) for n in (3, 7)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate_paged(model, prompts, 8, block_size=4)
+        for tokens, prompt in zip(out, prompts, strict=True):
+            assert torch.equal(tokens, generate(model, prompt, 8)[0])
+    pool = BlockPool(4, 4, 2, 2, 8)
+    sequence = PagedKVCache(pool)
+    sequence.layers[0].append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(ValueError, match="one dtype"):  # a pool in use keeps its dtype
+        sequence.layers[1].append(torch.zeros(1, 2, 1, 8).bfloat16(), torch.zeros(1, 2, 1, 8).bfloat16())

@@ -378,7 +378,7 @@ def test_a_position_table_still_bounds_a_windowed_gpt(positions):
 def test_speculative_decoding_refuses_rolling_caches_up_front():
     torch.manual_seed(0)
     gpt = GPT(vocab_size=11, d_model=16, num_heads=2, num_layers=1, max_len=32, positions="rope", window=4)
-    with pytest.raises(ValueError, match="rolling cache cannot"):
+    with pytest.raises(ValueError, match="a RollingKVCache cannot"):
         attnbook.speculative_generate(gpt, gpt, torch.tensor([[1, 2]]), 8)
     with pytest.raises(ValueError, match="cannot truncate"):
         gpt.make_caches(1)[0].truncate(0)

@@ -179,3 +179,11 @@ def test_every_module_lists_its_public_names_sorted():
         assert all(hasattr(module, name) for name in module.__all__), info.name
     assert list(attnbook.__all__) == sorted(attnbook.__all__)
     assert all(hasattr(attnbook, name) for name in attnbook.__all__)
+
+
+def test_every_public_helper_a_chapter_uses_is_exported():
+    from attnbook import ctc, interpretability, metrics
+
+    for module, name in ((interpretability, "ablate_heads"), (ctc, "ctc_greedy_decode"),
+                         (metrics, "error_rate")):
+        assert name in attnbook.__all__ and getattr(attnbook, name) is getattr(module, name)

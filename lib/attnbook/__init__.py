@@ -55,6 +55,7 @@ from .caches import (
 )
 from .ctc import (
     ctc_best_alignment,
+    ctc_greedy_decode,
     ctc_log_alpha,
     ctc_loss,
     ctc_prefix_beam_search,
@@ -72,10 +73,11 @@ from .generation import (
     truncate_logits,
 )
 from .gguf import GGUFTokenizer, load_gguf, load_gguf_tokenizer, smollm2
-from .interpretability import induction_score, previous_token_score
+from .interpretability import ablate_heads, induction_score, previous_token_score
 from .latent import MultiHeadLatentAttention
 from .linear import LinearAttention, linear_attention, linear_attention_recurrent
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
+from .metrics import error_rate
 from .mixers import MixerModel
 from .models import (
     GPT,
@@ -160,6 +162,7 @@ __all__ = [
     "ViT",
     "Whisper",
     "WideMultiHeadAttention",
+    "ablate_heads",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
@@ -171,12 +174,14 @@ __all__ = [
     "cost",
     "ctc",
     "ctc_best_alignment",
+    "ctc_greedy_decode",
     "ctc_log_alpha",
     "ctc_loss",
     "ctc_prefix_beam_search",
     "data",
     "dequantize_kv",
     "device",
+    "error_rate",
     "experts",
     "flash_attention",
     "generate",

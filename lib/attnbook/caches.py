@@ -821,11 +821,21 @@ class _PagedLayer:
                 f"a paged cache expects keys and values (1, h={h}, t, "
                 f"head_dim={head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        if {k.dtype, v.dtype} != {pool.keys.dtype} or k.device != pool.keys.device:
+        if v.dtype != k.dtype or v.device != k.device:
             raise ValueError(
-                f"the block pool holds {pool.keys.dtype} on {pool.keys.device}, got "
-                f"{k.dtype} and {v.dtype} on {k.device}"
+                f"keys and values must share dtype and device, got {k.dtype} on "
+                f"{k.device} and {v.dtype} on {v.device}"
             )
+        if (k.dtype, k.device) != (pool.keys.dtype, pool.keys.device):
+            if len(pool.free_blocks) < pool.num_blocks:
+                raise ValueError(
+                    f"the block pool holds {pool.keys.dtype} on {pool.keys.device}, "
+                    f"got keys {k.dtype} on {k.device}: one generation must keep one "
+                    "dtype"
+                )
+            # empty: follow the activations (autocast)
+            pool.keys = torch.zeros(pool.keys.shape, device=k.device, dtype=k.dtype)
+            pool.values = torch.zeros(pool.keys.shape, device=k.device, dtype=k.dtype)
         table, start = self.sequence.block_table, self.length
         end = start + k.shape[2]
         while len(table) * pool.block_size < end:

@@ -148,7 +148,9 @@ class MoEFeedForward(nn.Module):
             0, experts.flatten(), ones
         )  # (E,): how many assignments chose each expert
         fraction = counts.float() / max(probs.shape[0], 1)  # f_i: sums to top_k
-        self.aux_loss = self.num_experts * (fraction * probs.mean(0)).sum()
+        # P_i, the mean router probability: 0 for a call without tokens (not NaN)
+        mean_probs = probs.mean(0) if probs.shape[0] else probs.sum(0)
+        self.aux_loss = self.num_experts * (fraction * mean_probs).sum()
         self.tokens_per_expert = counts
         self.last_routing = Routing(experts, weights.detach(), probs.detach(), kept)
 

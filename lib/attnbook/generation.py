@@ -230,6 +230,11 @@ class _Decoding:
     suppress_at_start: list[int]
     end_token: int | None
 
+    def banned(self, step: int) -> set[int]:
+        """The tokens suppressed at ``step``."""
+        at_start = self.suppress_at_start if step == 0 else []
+        return set(self.suppress) | set(at_start)
+
     def suppressed(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """``logits (B, vocab)`` with the suppressed tokens at ``-inf``, in place."""
         if self.suppress:
@@ -435,14 +440,19 @@ def generate_paged(
             dtype=caches[0].keys.dtype,
         )
     decode_step = _decode_step(model)
-    with eval_mode(model):
-        sequences = [PagedKVCache(pool) for _ in runs]
-        tokens = [run.prompt for run in runs]  # (1, T0_i + step) each
-        for _ in range(max_new_tokens):
-            for i, sequence in enumerate(sequences):
-                fed = tokens[i][:, sequence.length :]  # the prompt, then the newest
-                logits = decode_step(fed, None, sequence.layers)[:, -1]  # (1, vocab)
-                tokens[i] = torch.cat([tokens[i], logits.argmax(-1, keepdim=True)], 1)
+    sequences = [PagedKVCache(pool) for _ in runs]
+    tokens = [run.prompt for run in runs]  # (1, T0_i + step) each
+    try:
+        with eval_mode(model):
+            for _ in range(max_new_tokens):
+                for i, sequence in enumerate(sequences):
+                    # the prompt, then the newest
+                    fed = tokens[i][:, sequence.length :]
+                    # (1, vocab)
+                    logits = decode_step(fed, None, sequence.layers)[:, -1]
+                    new = logits.argmax(-1, keepdim=True)  # (1, 1)
+                    tokens[i] = torch.cat([tokens[i], new], 1)
+    finally:  # the caller's pool gets its blocks back, even after an error
         for sequence in sequences:
             sequence.free()
     return [sequence_tokens[0] for sequence_tokens in tokens]
@@ -584,7 +594,8 @@ def beam_search(
             if no_repeat_ngram:
                 for row, prefix in enumerate(prefixes):
                     banned = ngram_blocked(prompt_tokens + prefix, no_repeat_ngram)
-                    if len(banned) < vocab_size:  # never every token
+                    # never every token: the n-gram rule yields to suppression
+                    if len(run.banned(step).union(banned)) < vocab_size:
                         logits[row, banned] = float("-inf")
             # (beam * V,)
             candidates = (scores[:, None] + torch.log_softmax(logits, dim=-1)).flatten()
@@ -752,11 +763,12 @@ def speculative_generate(
             [c for c in _kv_caches(model.decoding_caches(1, context)) if not c.static]
             for model, context in ((target, target_context), (draft, draft_context))
         )
-        if not all(c.can_truncate for c in target_caches + draft_caches):
+        stuck = [c for c in target_caches + draft_caches if not c.can_truncate]
+        if stuck:
             raise ValueError(
                 "speculative_generate rolls rejected draft tokens back out of the KV "
-                "caches, which a sliding window's rolling cache cannot do (the entries "
-                "it dropped are gone): use models without window="
+                f"caches, which a {type(stuck[0]).__name__} cannot do: use models "
+                "whose caches can truncate (KVCache, LatentKVCache)"
             )
         # (1, T0 + new): final tokens, then this round's drafts
         tokens = prompt.new_empty(1, T0 + max_new_tokens)

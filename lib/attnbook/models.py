@@ -383,10 +383,18 @@ class GPT(nn.Module):
         return bias if mask is None else bias.masked_fill(mask, float("-inf"))
 
     def forward(
-        self, tokens: torch.Tensor, caches=None, *, check_ids: bool = True
+        self,
+        tokens: torch.Tensor,
+        caches=None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        check_ids: bool = True,
     ) -> torch.Tensor:
-        """``check_ids=False`` skips the range check of the ids (which reads them back
-        to the host);
+        """``key_padding_mask (B, start + T)`` (every key so far, ``True`` at padding)
+        decodes a batch of left-padded prompts: each row's tokens take positions from 0
+        at its first real token, and no query reads a padded key, so each row's logits
+        are those of its prompt alone. ``check_ids=False`` skips the range check of the
+        ids (which reads them back to the host);
         :func:`~attnbook.generation.generate` uses it for the tokens it picked
         itself."""
         start = caches[0].length if caches else 0
@@ -402,32 +410,66 @@ class GPT(nn.Module):
                 f"need one cache per block ({len(self.blocks)}), got {len(caches)}"
             )
         x = self.token_embedding(tokens)  # (B, T, d)
+        positions, padding = start, None
+        if key_padding_mask is not None:  # (B, T) positions, (B, Tk) padded keys
+            positions, padding = self._padding(key_padding_mask, tokens, caches)
         if self.positions is not None:
             # (B, T, d): learned or sinusoidal positions added
-            x = self.positions(x, start)
+            x = self.positions(x, positions)
         x = self.dropout(x)
         # None, window and/or ALiBi
         mask = self.attention_mask(tokens.shape[1], caches, tokens.device)
         layer_caches = [None] * len(self.blocks) if caches is None else caches
         # causal: new queries see keys up to them
         for block, cache in zip(self.blocks, layer_caches, strict=True):
-            x = block(x, mask, cache=cache)  # (B, T, d)
+            x = block(x, mask, key_padding_mask=padding, cache=cache)  # (B, T, d)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
 
+    def _padding(self, key_padding_mask, tokens, caches):
+        """Each new token's position ``(B, T)`` (counted from the row's first real
+        token) and the padding of the keys the queries see ``(B, Tk)``."""
+        (B, T), start = tokens.shape, caches[0].length if caches else 0
+        if (
+            not isinstance(key_padding_mask, torch.Tensor)
+            or key_padding_mask.dtype != torch.bool
+            or key_padding_mask.shape != (B, start + T)
+        ):
+            raise ValueError(
+                f"key_padding_mask must be a bool (B={B}, {start + T}) tensor (every "
+                f"key so far, True at padding), got {key_padding_mask!r:.80}"
+            )
+        if self.sink_tokens:
+            raise ValueError(
+                f"a padded batch moves each row's first tokens: sink_tokens="
+                f"{self.sink_tokens} would keep the padding instead"
+            )
+        key_padding_mask = key_padding_mask.to(tokens.device)
+        real = (~key_padding_mask).long().cumsum(-1)  # (B, start + T)
+        positions = (real[:, start:] - 1).clamp_min(0)  # (B, T)
+        key_len = caches[0].key_len(T) if caches else T  # a rolling cache's last ones
+        return positions, key_padding_mask[:, -key_len:]
+
     # the decoding interface (see the module docstring)
-    def decoding_context(self, batch_size: int, **inputs):
+    def decoding_context(self, batch_size: int, key_padding_mask=None, **inputs):
+        """``key_padding_mask (B, T0)`` of a left-padded prompt, or ``None``."""
         if inputs:
             raise ValueError(
-                "a GPT generates from its prompt alone; got extra inputs "
-                f"{sorted(inputs)}"
+                "a GPT generates from its prompt (and its key_padding_mask) alone; got "
+                f"extra inputs {sorted(inputs)}"
             )
-        return None
+        return key_padding_mask
 
     def decoding_caches(self, batch_size: int, context):
         return self.make_caches(batch_size)
 
     def decode_step(self, tokens, context, caches):
-        return self(tokens, caches, check_ids=False)
+        padding = None
+        if context is not None:  # the prompt's padding; no new token is padding
+            total = (caches[0].length if caches else 0) + tokens.shape[1]
+            padding = torch.nn.functional.pad(
+                context.to(tokens.device), (0, total - context.shape[1])
+            )
+        return self(tokens, caches, key_padding_mask=padding, check_ids=False)
 
 
 class EncoderOnlyModel(nn.Module):

@@ -44,7 +44,13 @@ def _check_positions_input(x: torch.Tensor, start, d_model: int) -> None:
         raise ValueError(
             f"x must be (B, T, d_model={d_model}), got shape {tuple(x.shape)}"
         )
-    if start < 0:
+    if isinstance(start, torch.Tensor):  # each token's own position
+        if start.shape != x.shape[:2] or start.is_floating_point():
+            raise ValueError(
+                f"positions must be a (B, T) = {tuple(x.shape[:2])} integer tensor, "
+                f"got {start.dtype} {tuple(start.shape)}"
+            )
+    elif start < 0:
         raise ValueError(f"start must be a non-negative position, got {start!r}")
 
 
@@ -67,8 +73,12 @@ class SinusoidalPositions(nn.Module):
     def max_len(self) -> int:
         return self.table.shape[0]
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start=0) -> torch.Tensor:
+        """``x (B, T, d)`` plus the encoding of positions ``start .. start + T - 1``
+        (``start`` may be a ``(B, T)`` tensor: each token's position)."""
         _check_positions_input(x, start, self.d_model)
+        if isinstance(start, torch.Tensor):
+            return x + self.table[start].to(x.dtype)  # (B, T, d)
         end = start + x.shape[1]
         if end > self.max_len:
             raise ValueError(
@@ -98,8 +108,12 @@ class LearnedPositions(nn.Module):
     def max_len(self) -> int:
         return self.table.shape[0]
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start=0) -> torch.Tensor:
+        """``x (B, T, d)`` plus the rows of positions ``start .. start + T - 1``
+        (``start`` may be a ``(B, T)`` tensor: each token's position)."""
         _check_positions_input(x, start, self.table.shape[1])
+        if isinstance(start, torch.Tensor):
+            return x + self.table[start].to(x.dtype)  # (B, T, d)
         end = start + x.shape[1]
         if end > self.max_len:
             raise ValueError(
