@@ -9,16 +9,17 @@ declare COST(point), a number proportional to a run's time, so the longest runs 
 the progress bar's estimate of the time left is right.
 
 Runs go N at a time (default 2), each in its own (spawned) process on one thread, with no seed offset. Each
-finished run is appended at once to _build/experiments/NAME.jsonl with the fingerprint of the files it
+finished run is appended at once to _build/experiments/NAME.jsonl with the hashes of the code it
 executed, so an experiment interrupted (Ctrl-C, a lost machine) resumes where it stopped: a run kept
-there is reused while its point and seed are still in the grid and the files it executed are unchanged
+there is reused while its point and seed are still in the grid and the code it executed is unchanged
 (--restart discards them all). An experiment that keeps its training code in a module of its own
-(book/experiments/_NAME.py, say) can then grow its grid without running its old points again. While a run executes, the files
+(book/experiments/_NAME.py, say) can then grow its grid without running its old points again. While a run executes, the functions
 of the library and of the experiment it calls are noted (a trace of Python calls); when every run
-is done, book/experiments/NAME.json is written: every run's figures and time, the files the runs
-executed with a fingerprint of their sources, and the provenance (commit, torch, CPU, threads,
+is done, book/experiments/NAME.json is written: every run's figures and time, the code the runs
+executed with a hash of each function, of the classes holding them and of their modules' own
+statements (attnbook.experiments.code_units), and the provenance (commit, torch, CPU, threads,
 start and end, wall time and the runs' summed time). tests/test_experiments.py then fails when one
-of those files changes, naming this command.
+of those changes, naming what changed and this command.
 
 Exit status 1 if a run raised, 2 for bad arguments.
 """
@@ -91,12 +92,13 @@ def _init_worker() -> None:
 
 
 def _run_task(name: str, folder: str, point: dict, seed: int) -> dict:
-    """Run one point at one seed; returns its figures, seconds and the files it executed."""
+    """Run one point at one seed; returns its figures, seconds and the code it executed (file ->
+    the functions that ran there) with the hash of each piece (attnbook.experiments.current_units)."""
     module = sys.modules.get(f"experiments.{name}") or load_module(name, Path(folder))
-    files: set[str] = set()
+    ran: set[tuple[str, str]] = set()
 
     def note(frame, event, arg):  # 'call' events only: no line tracing, a few % of overhead
-        files.add(frame.f_code.co_filename)
+        ran.add((frame.f_code.co_filename, frame.f_code.co_qualname))
 
     start = time.perf_counter()
     sys.settrace(note)
@@ -108,14 +110,16 @@ def _run_task(name: str, folder: str, point: dict, seed: int) -> dict:
     if not isinstance(metrics, dict) or not metrics:
         raise TypeError(f"run({point}, {seed}) must return a non-empty dict of figures, got {metrics!r:.80}")
     metrics = {str(k): float(v) for k, v in metrics.items()}
-    executed = sorted(
-        str(Path(f).resolve().relative_to(ROOT)) for f in files
-        if Path(f).is_file() and _inside(Path(f).resolve(), (LIBRARY, Path(folder).resolve()))
-    )
-    from attnbook.experiments import fingerprint
+    code: dict[str, list[str]] = {}
+    for filename, qualname in ran:
+        path = Path(filename).resolve()
+        if path.is_file() and _inside(path, (LIBRARY, Path(folder).resolve())):
+            code.setdefault(str(path.relative_to(ROOT)), []).append(qualname)
+    code = {file: sorted(set(names)) for file, names in sorted(code.items())}
+    from attnbook.experiments import current_units
 
     return {"point": point, "seed": seed, "metrics": metrics, "seconds": round(seconds, 3),
-            "files": executed, "fingerprint": fingerprint(executed, ROOT)}
+            "code": code, "units": current_units(code, ROOT)}
 
 
 def _inside(path: Path, folders) -> bool:
@@ -148,14 +152,19 @@ def provenance(jobs: int, sessions: list[dict], runs: list[dict]) -> dict:
 
 def write_record(name: str, module, done: dict, jobs: int, sessions: list[dict],
                  folder: Path = EXPERIMENTS) -> Path:
-    from attnbook.experiments import fingerprint
+    from attnbook.experiments import current_units, fingerprint
 
     runs = [done[task_key(point, seed)] for point, seed in tasks_of(module)]
-    files = sorted({f for run in runs for f in run["files"]} | {str((folder / f"{name}.py").resolve().relative_to(ROOT))})
+    code: dict[str, set[str]] = {str((folder / f"{name}.py").resolve().relative_to(ROOT)): set()}
+    for run in runs:
+        for file, names in run["code"].items():
+            code.setdefault(file, set()).update(names)
+    code = {file: sorted(names) for file, names in sorted(code.items())}
     record = {
         "name": name,
-        "fingerprint": fingerprint(files, ROOT),
-        "files": files,
+        "fingerprint": fingerprint(code, ROOT),
+        "code": code,
+        "units": current_units(code, ROOT),
         "provenance": provenance(jobs, sessions, runs),
         "runs": [{k: run[k] for k in ("point", "seed", "metrics", "seconds")} for run in runs],
     }
@@ -167,9 +176,9 @@ def write_record(name: str, module, done: dict, jobs: int, sessions: list[dict],
 # --- the driver ------------------------------------------------------------------------------------
 
 def read_partial(path: Path, tasks: set[str]) -> tuple[dict, list[dict]]:
-    """The runs kept in ``path`` that are still tasks of the grid and whose files are as they ran
-    (each run's fingerprint of the files it executed), and the sessions logged there."""
-    from attnbook.experiments import fingerprint
+    """The runs kept in ``path`` that are still tasks of the grid and whose code is as it ran (each
+    run's hashes of the code it executed), and the sessions logged there."""
+    from attnbook.experiments import current_units
 
     done, sessions = {}, []
     if not path.is_file():
@@ -183,10 +192,10 @@ def read_partial(path: Path, tasks: set[str]) -> tuple[dict, list[dict]]:
             continue
         key = task_key(entry["point"], entry["seed"])
         try:
-            current = fingerprint(entry["files"], ROOT)
-        except FileNotFoundError:
-            continue
-        if key in tasks and current == entry.get("fingerprint"):
+            same = current_units(entry["code"], ROOT) == entry.get("units")
+        except (FileNotFoundError, KeyError, SyntaxError):
+            same = False
+        if key in tasks and same:
             done[key] = entry
     return done, sessions
 

@@ -9,7 +9,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from attnbook.experiments import Record, Run, fingerprint, grid, load_record, staleness
+from attnbook.experiments import (
+    Record,
+    Run,
+    code_units,
+    current_units,
+    fingerprint,
+    grid,
+    load_record,
+    staleness,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "book" / "experiments"
@@ -80,14 +89,17 @@ def calls(folder):
     return sorted(path.read_text().split("\n")[:-1]) if path.exists() else []
 
 
-def test_the_runner_records_every_run_and_only_the_files_they_executed(toy_folder):
+def test_the_runner_records_every_run_and_only_the_code_they_executed(toy_folder):
     out = run_experiment.run_experiment("toy", jobs=2, folder=toy_folder, partial_folder=toy_folder,
                                         progress=False)
     data = json.loads(out.read_text())
     toy = str((toy_folder / "toy.py").relative_to(ROOT))
-    # causal_mask's module and the validators it calls; not the rest of the library
-    assert data["files"] == sorted([toy, "lib/attnbook/masks.py", "lib/attnbook/utils.py"])
-    assert data["fingerprint"] == fingerprint(data["files"], ROOT)
+    # causal_mask and the validator it calls; not the rest of their modules, nor the library
+    assert data["code"] == {toy: ["run"], "lib/attnbook/masks.py": ["causal_mask", "key_minus_query"],
+                            "lib/attnbook/utils.py": ["check_positive_int"]}
+    assert data["units"] == current_units(data["code"], ROOT)
+    assert set(data["units"]["lib/attnbook/masks.py"]) == {"<module>", "causal_mask", "key_minus_query"}
+    assert data["fingerprint"] == fingerprint(data["code"], ROOT)
     assert [(r["point"]["n"], r["seed"]) for r in data["runs"]] == [(2, 0), (2, 1), (3, 0), (3, 1)]
     record = load_record("toy", toy_folder)
     assert record.values("allowed", n=3) == [6.0, 7.0]  # 3 * 4 / 2 allowed entries, + seed
@@ -96,17 +108,52 @@ def test_the_runner_records_every_run_and_only_the_files_they_executed(toy_folde
     for key in ("commit", "torch", "device", "cores", "processes", "started", "finished"):
         assert key in data["provenance"]
     assert data["provenance"]["run_seconds"] >= 0 and data["provenance"]["sessions"] == 1
-    # a line changed in a file the runs executed: the record is stale, and says how to refresh it
-    (toy_folder / "toy.py").write_text(TOY + "\n# changed\n")
+    # a new function in a file the runs executed: the record still holds
+    (toy_folder / "toy.py").write_text(TOY + "\n\ndef unrelated():\n    return 1\n")
+    assert staleness("toy", toy_folder) is None
+    # a line changed in a function the runs executed: stale, saying what changed and how to refresh
+    (toy_folder / "toy.py").write_text(TOY.replace("+ seed", "+ 2 * seed"))
     message = staleness("toy", toy_folder)
-    assert "make experiment NAME=toy" in message and "toy.py" in message
+    assert f"{toy}: run changed" in message and "make experiment NAME=toy" in message
     assert "STALE" in run_experiment.list_experiments(toy_folder)
+    # and a grid that changed (the module's own statements)
+    (toy_folder / "toy.py").write_text(TOY.replace('{"n": 3}]', '{"n": 4}]'))
+    assert f"{toy}: <module> changed" in staleness("toy", toy_folder)
+
+
+def test_code_units_hash_what_ran_and_ignore_the_rest(tmp_path):
+    source = (
+        '"""A module."""\nLIMIT = 3\n\n\nclass A:\n    size = 2\n\n'
+        '    def f(self):\n        """Doc."""\n        return [x for x in range(self.size)]\n\n'
+        '    def g(self):\n        return 0\n\n\ndef h():\n    return LIMIT\n'
+    )
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    base = code_units(path, ["A.f", "A.f.<locals>.<listcomp>", "h"])
+    assert set(base) == {"<module>", "A", "A.f", "h"}  # the comprehension belongs to A.f
+    # a docstring, a comment, another method: nothing that ran changed
+    path.write_text(source.replace('"""Doc."""', '"""Other."""').replace("return 0", "return 1  # x"))
+    assert code_units(path, ["A.f", "h"]) == base
+    changed = {
+        "A.f": source.replace("range(self.size)", "range(self.size + 1)"),
+        "A": source.replace("size = 2", "size = 3"),
+        "<module>": source.replace("LIMIT = 3", "LIMIT = 4"),
+    }
+    for unit, text in changed.items():
+        path.write_text(text)
+        now = code_units(path, ["A.f", "h"])
+        assert [u for u in base if now[u] != base[u]] == [unit]
+    path.write_text(source.replace("def h():", "def k():"))
+    assert code_units(path, ["h"])["h"] == "gone"
+    with pytest.raises(FileNotFoundError, match="which is gone"):
+        current_units({"missing.py": ["f"]}, tmp_path)
 
 
 def test_the_runner_resumes_where_it_stopped(toy_folder):
-    files = [str((toy_folder / "toy.py").relative_to(ROOT)), "lib/attnbook/masks.py"]
+    toy = str((toy_folder / "toy.py").relative_to(ROOT))
+    code = {toy: ["run"], "lib/attnbook/masks.py": ["causal_mask"]}
     kept = {"point": {"n": 3}, "seed": 1, "metrics": {"allowed": 99.0, "n": 3.0}, "seconds": 0.5,
-            "files": files, "fingerprint": fingerprint(files, ROOT)}
+            "code": code, "units": current_units(code, ROOT)}
     gone = {**kept, "point": {"n": 4}}  # a point no longer in the grid
     (toy_folder / "toy.jsonl").write_text(json.dumps(kept) + "\n" + json.dumps(gone) + "\n")
     run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
@@ -114,9 +161,9 @@ def test_the_runner_resumes_where_it_stopped(toy_folder):
     assert calls(toy_folder) == ["2 0", "2 1", "3 0"]  # the kept run was not run again
     record = load_record("toy", toy_folder)
     assert record.values("allowed", n=3) == [6.0, 99.0] and len(record.runs) == 4
-    # a run whose files changed since is run again
+    # a run whose code changed since is run again
     (toy_folder / "toy.py.calls").unlink()
-    (toy_folder / "toy.jsonl").write_text(json.dumps({**kept, "fingerprint": "other"}) + "\n")
+    (toy_folder / "toy.jsonl").write_text(json.dumps({**kept, "units": {}}) + "\n")
     run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
                                   progress=False)
     assert calls(toy_folder) == ["2 0", "2 1", "3 0", "3 1"]
@@ -152,7 +199,7 @@ def test_a_failing_run_is_reported_and_the_others_kept(toy_folder):
 
 
 def record(runs):
-    return Record("nb", "f", ("a.py",), {}, tuple(Run(p, s, m, 1.0) for p, s, m in runs))
+    return Record("nb", "f", {}, {}, {}, tuple(Run(p, s, m, 1.0) for p, s, m in runs))
 
 
 def test_pick_draws_from_the_clock_and_check_widens_the_spread_by_the_tolerance():

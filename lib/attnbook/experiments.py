@@ -12,10 +12,12 @@ experiment is a module under ``book/experiments/`` that declares
 ``make experiment NAME=<module>`` (``scripts/run_experiment.py``) runs every point at
 every seed, two at a time, resumable, and writes ``book/experiments/<module>.json``: the
 figures of every run and their provenance (the commit, the torch version, the CPU, the
-threads, the dates and the wall time). It also records which files of the library (and
-the experiment's own module) the runs executed, and a :func:`fingerprint` of their
-sources: ``tests/test_experiments.py`` fails, naming the command that refreshes it, when
-one of them changes, while a change elsewhere in the library leaves the record valid.
+threads, the dates and the wall time). It also records which functions of the library
+(and of the experiment's own modules) the runs executed, and a hash of each of them, of
+the classes that hold them and of their modules' own statements (:func:`code_units`):
+``tests/test_experiments.py`` fails, naming what changed and the command that refreshes
+it, when one of them changes, while a change elsewhere in the library, in the same
+module too, leaves the record valid.
 
 A page reads the record with :func:`load_record` for its figures, tables and asserts,
 and runs one grid point again on every run of the page: :meth:`Record.pick` chooses it
@@ -26,6 +28,8 @@ stated tolerance.
 
 from __future__ import annotations
 
+import ast
+import copy
 import hashlib
 import itertools
 import json
@@ -52,17 +56,93 @@ def grid(**axes) -> list[dict]:
     )]
 
 
-def fingerprint(files, root: Path | str = ROOT) -> str:
-    """SHA-256 of the named files' contents (paths relative to ``root``), in sorted
-    order with their names: what a record's runs executed. A missing file raises a
-    ``FileNotFoundError`` naming it."""
-    digest = hashlib.sha256()
-    for name in sorted(files):
+ANONYMOUS = ("<lambda>", "<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+
+
+def _strip_docstring(node: ast.AST) -> ast.AST:
+    body = getattr(node, "body", None)
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        node.body = body[1:] or [ast.Pass()]
+    return node
+
+
+def _named_parts(qualname: str) -> list[str]:
+    """The named functions and classes of a qualname, outermost first: lambdas and
+    comprehensions belong to the function that holds them (``f.<locals>.<lambda>`` ->
+    ``["f"]``)."""
+    parts = [part for part in qualname.split(".") if part != "<locals>"]
+    while parts and parts[-1] in ANONYMOUS:
+        parts.pop()
+    return parts
+
+
+def code_units(path: Path | str, qualnames) -> dict[str, str]:
+    """A hash of each piece of ``path``'s code that ``qualnames`` (functions that ran,
+    as ``co_qualname`` names them) depend on: each named function's definition (its
+    docstring left out), the statements of each class that holds one (other than its
+    methods), and the module's own statements (other than its functions and classes):
+    ``{"Class.method": hash, "Class": hash, "<module>": hash}``. A function that is no
+    longer there hashes as ``"gone"``. Comments, docstrings and code elsewhere in the
+    file do not count."""
+    tree = ast.parse(Path(path).read_text())
+
+    def digest(node) -> str:
+        text = ast.dump(_strip_docstring(copy.deepcopy(node)), include_attributes=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def skeleton(body) -> str:
+        kept = [n for n in body if not isinstance(
+            n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        return digest(ast.Module(body=kept, type_ignores=[]))
+
+    units = {"<module>": skeleton(_strip_docstring(copy.deepcopy(tree)).body)}
+    for qualname in qualnames:
+        parts = _named_parts(qualname)
+        node, scope = tree, []
+        for part in parts:
+            found = next((n for n in ast.iter_child_nodes(node) if isinstance(
+                n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and n.name == part), None)
+            if found is None:
+                units[".".join(parts)] = "gone"
+                break
+            node = found
+            scope.append(part)
+            if isinstance(node, ast.ClassDef):  # its bases, decorators, attributes
+                bases = [ast.Expr(base) for base in node.bases]
+                header = ast.Module(body=bases, type_ignores=[])
+                units[".".join(scope)] = skeleton(node.body) + digest(header)
+        else:
+            if parts:
+                units[".".join(parts)] = digest(node)
+    return units
+
+
+def fingerprint(code: dict, root: Path | str = ROOT) -> str:
+    """SHA-256 of the code a record's runs executed, from ``code``: file (relative to
+    ``root``) -> the qualnames that ran there. Each file contributes
+    :func:`code_units`, so a change elsewhere in a file leaves the fingerprint alone. A
+    missing file raises a ``FileNotFoundError`` naming it."""
+    return hashlib.sha256(
+        json.dumps(current_units(code, root), sort_keys=True).encode()
+    ).hexdigest()
+
+
+def current_units(code: dict, root: Path | str = ROOT) -> dict[str, dict[str, str]]:
+    """:func:`code_units` of every file of ``code`` (file -> qualnames), as the files
+    are now."""
+    units = {}
+    for name in sorted(code):
         path = Path(root) / name
         if not path.is_file():
             raise FileNotFoundError(f"a recorded experiment ran {name}, which is gone")
-        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+        units[name] = code_units(path, code[name])
+    return units
 
 
 def point_key(point: dict) -> str:
@@ -83,15 +163,21 @@ class Run:
 
 @dataclass(frozen=True)
 class Record:
-    """A recorded experiment (:func:`load_record`): its ``name``, the ``files`` its runs
-    executed and their ``fingerprint``, its ``provenance`` and its ``runs`` in grid
-    order."""
+    """A recorded experiment (:func:`load_record`): its ``name``; the ``code`` its runs
+    executed (file -> the functions that ran there), the hash of each piece of it
+    (``units``, :func:`current_units`) and their ``fingerprint``; its ``provenance`` and
+    its ``runs`` in grid order."""
 
     name: str
     fingerprint: str
-    files: tuple[str, ...]
+    code: dict
+    units: dict
     provenance: dict
     runs: tuple[Run, ...]
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self.code)
 
     @property
     def points(self) -> list[dict]:
@@ -176,19 +262,26 @@ class Record:
 
 
 def staleness(name: str, folder: Path | str | None = None) -> str | None:
-    """Why the record of ``name`` no longer describes its code (a file its runs executed
-    changed or is gone), naming the command that refreshes it; ``None`` while it
-    does."""
+    """Why the record of ``name`` no longer describes its code (a function its runs
+    executed, the class or module statements around it, changed or is gone), naming
+    what changed and the command that refreshes it; ``None`` while it does."""
     record = load_record(name, folder)
     try:
-        current = fingerprint(record.files, ROOT)
+        now = current_units(record.code, ROOT)
     except FileNotFoundError as error:
-        current = str(error)
-    if current == record.fingerprint:
+        changed = [str(error)]
+    else:
+        changed = [
+            f"{file}: {unit}"
+            for file in sorted(set(record.units) | set(now))
+            for unit in sorted(set(record.units.get(file, {})) | set(now.get(file, {})))
+            if record.units.get(file, {}).get(unit) != now.get(file, {}).get(unit)
+        ]
+    if not changed:
         return None
     return (
-        f"the record of the experiment {name} was measured on other code than "
-        f"{', '.join(record.files)} hold now: refresh it with `make experiment "
+        f"the record of the experiment {name} was measured on other code: "
+        f"{'; '.join(changed)} changed since; refresh it with `make experiment "
         f"NAME={name}`"
     )
 
@@ -203,7 +296,7 @@ def load_record(name: str, folder: Path | str | None = None) -> Record:
             f"experiment NAME={name}`"
         )
     data = json.loads(path.read_text())
-    missing = {"name", "fingerprint", "files", "provenance", "runs"} - set(data)
+    missing = {"name", "fingerprint", "code", "units", "provenance", "runs"} - set(data)
     if missing:
         raise ValueError(f"{path} is not a record: it lacks {sorted(missing)}")
     runs = tuple(
@@ -211,14 +304,16 @@ def load_record(name: str, folder: Path | str | None = None) -> Record:
         for run in data["runs"]
     )
     return Record(
-        data["name"], data["fingerprint"], tuple(data["files"]), data["provenance"],
-        runs
+        data["name"], data["fingerprint"], data["code"], data["units"],
+        data["provenance"], runs
     )
 
 
 __all__ = [
     "Record",
     "Run",
+    "code_units",
+    "current_units",
     "fingerprint",
     "grid",
     "load_record",
