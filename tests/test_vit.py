@@ -1,5 +1,6 @@
 """The Vision Transformer: patches, the patch embedding, the ViT against PyTorch's layers, moving it to
-a larger grid, the CNN baseline, and a ViT trained on a tiny task (the MNIST sample and its split are
+a larger grid (its table interpolated, or its patch embedding resized as FlexiViT does), the fixed 2-D
+sin-cos table, attention rollout, the CNN baseline, and a ViT trained on a tiny task (the MNIST sample and its split are
 tested in test_data.py, the classifier loop in test_train.py)."""
 
 import copy
@@ -13,10 +14,13 @@ from attnbook.train import accuracy, count_parameters, train_classifier
 from attnbook.vit import (
     PatchEmbedding,
     SmallResNet,
+    attention_rollout,
     mean_attention_distance,
     patch_grid,
     patchify,
+    resize_patch_kernel,
     resize_position_table,
+    sincos_table_2d,
 )
 from torch import nn
 
@@ -373,3 +377,151 @@ def test_train_classifier_and_accuracy_learn_a_tiny_task():
     history = train_classifier(model, images, labels, steps=40, batch_size=16, lr=1e-2)
     assert len(history.loss) == 40 and model.training
     assert accuracy(model, images, labels, batch_size=7) == 1.0 and model.training
+
+
+# ---------------------------------------------------------------------------------------------
+# a fixed 2-D sin-cos table (Beyer et al. 2022)
+
+
+def test_sincos_table_2d_by_hand():
+    table = sincos_table_2d((2, 3), 8)  # d / 4 = 2 frequencies: 1 and 1/10000
+    assert table.shape == (6, 8)
+    w = torch.tensor([1.0, 1e-4], dtype=torch.float64)
+    for r in range(2):
+        for c in range(3):
+            x, y = c * w, r * w  # big_vision's posemb_sincos_2d: x the column, y the row
+            expected = torch.cat([x.sin(), x.cos(), y.sin(), y.cos()]).float()
+            torch.testing.assert_close(table[r * 3 + c], expected)
+    torch.testing.assert_close(table[5], torch.tensor(  # row 1, column 2, written out
+        [np.sin(2), np.sin(2e-4), np.cos(2), np.cos(2e-4), np.sin(1), np.sin(1e-4), np.cos(1), np.cos(1e-4)],
+        dtype=torch.float32))
+    assert sincos_table_2d(4, 32).shape == (16, 32)
+    for d in (6, 4):
+        with pytest.raises(ValueError, match="multiple of 4 and at least 8"):
+            sincos_table_2d(4, d)
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_vit_with_a_fixed_sincos_table(pool):
+    torch.manual_seed(6)
+    model = ViT(28, 7, 10, 16, 2, 1, pool=pool, position_embedding="sincos")
+    learned = ViT(28, 7, 10, 16, 2, 1, pool=pool)
+    prefix = model.num_prefix
+    table = model.positions.table
+    assert not isinstance(table, nn.Parameter) and "positions.table" in model.state_dict()
+    assert count_parameters(learned) - count_parameters(model) == (prefix + 16) * 16  # no table to learn
+    torch.testing.assert_close(table[prefix:], sincos_table_2d(4, 16), rtol=0, atol=0)
+    assert (table[:prefix] == 0).all()  # <cls> gets no position
+    before = table.clone()
+    train_classifier(model, torch.rand(32, 1, 28, 28), torch.arange(32) % 10, steps=3, batch_size=8)
+    torch.testing.assert_close(model.positions.table, before, rtol=0, atol=0)  # never trained
+    images = torch.rand(2, 1, 28, 28)
+    with torch.no_grad():  # the table is added to the tokens
+        tokens = model.patch_embed(images)
+        if pool == "cls":
+            tokens = torch.cat([model.cls_token.expand(2, -1, -1), tokens], dim=1)
+        x = tokens + before
+        for block in model.blocks:
+            x = block(x)
+        x = model.norm(x)
+        expected = model.head(x[:, 0] if pool == "cls" else x.mean(1))
+    torch.testing.assert_close(model.eval()(images), expected)
+    moved = copy.deepcopy(model).resize(56, mode="nearest")
+    assert not isinstance(moved.positions.table, nn.Parameter)  # still fixed
+    torch.testing.assert_close(moved.positions.table, resize_position_table(before, 4, 8, prefix, "nearest"))
+    recomputed = copy.deepcopy(model).resize(56, positions="recompute")
+    torch.testing.assert_close(recomputed.positions.table[prefix:], sincos_table_2d(8, 16), rtol=0, atol=0)
+    assert recomputed(torch.rand(1, 1, 56, 56)).shape == (1, 10)
+    with pytest.raises(ValueError, match="recompute.*sin-cos.*'learned'"):
+        learned.resize(56, positions="recompute")
+    with pytest.raises(ValueError, match="position_embedding must be one of"):
+        ViT(28, 7, 10, 16, 2, 1, position_embedding="sin")
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexiViT: resizing the patch embedding instead of the table
+
+
+def test_resize_patch_kernel_by_hand():
+    w = torch.tensor([3.0, -1.0]).reshape(2, 1, 1, 1)  # d = 2, one channel, p = 1
+    # 1 -> 2: a pixel becomes a 2 x 2 block of itself, so each new weight is a quarter
+    torch.testing.assert_close(resize_patch_kernel(w, 2), w.expand(2, 1, 2, 2) / 4)
+    # 2 -> 1: bilinear shrinks a 2 x 2 patch to its mean; the least-squares kernel is the sum
+    w2 = torch.arange(8.0).reshape(2, 1, 2, 2)
+    torch.testing.assert_close(resize_patch_kernel(w2, 1), torch.tensor([6.0, 22.0]).reshape(2, 1, 1, 1))
+    # naive: the kernel resized like an image
+    torch.testing.assert_close(resize_patch_kernel(w, 2, "bilinear"), w.expand(2, 1, 2, 2))
+    torch.testing.assert_close(resize_patch_kernel(w2, 2), w2)  # same size: a copy
+    assert resize_patch_kernel(w2, 2) is not w2
+
+
+@pytest.mark.parametrize("old, new", [(3, 5), (7, 14), (4, 6)])
+def test_pi_resize_keeps_every_token_of_an_upsampled_patch(old, new):
+    torch.manual_seed(7)
+    w = torch.randn(5, 2, old, old)
+    x = torch.rand(9, 2, old, old)  # nine patches
+    big = F.interpolate(x, size=(new, new), mode="bilinear", align_corners=False)
+    tokens = torch.einsum("bcij,dcij->bd", x, w)
+    pi = resize_patch_kernel(w, new)
+    torch.testing.assert_close(torch.einsum("bcij,dcij->bd", big, pi), tokens, rtol=1e-4, atol=1e-4)
+    naive = torch.einsum("bcij,dcij->bd", big, resize_patch_kernel(w, new, "bilinear"))
+    assert (naive - tokens).abs().max() > 0.1  # the naive resize does not
+
+
+def test_resize_patch_kernel_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\(d, C, p, p\)"):
+        resize_patch_kernel(torch.randn(2, 1, 3, 4), 6)
+    with pytest.raises(ValueError, match=r"\(d, C, p, p\)"):
+        resize_patch_kernel(torch.randn(2, 3, 3), 6)
+    with pytest.raises(ValueError, match="method must be one of"):
+        resize_patch_kernel(torch.randn(2, 1, 3, 3), 6, "bicubic")
+    with pytest.raises(ValueError, match="new_patch_size"):
+        resize_patch_kernel(torch.randn(2, 1, 3, 3), 0)
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_vit_resize_patch_size_keeps_the_grid_and_the_tokens(pool):
+    torch.manual_seed(8)
+    model = ViT(28, 7, 10, 16, 2, 2, pool=pool).eval()
+    table = model.positions.table.detach().clone()
+    images = torch.rand(3, 1, 28, 28)
+    before = model(images)
+    moved = copy.deepcopy(model).resize(56, patch_size=14)
+    assert moved.grid == (4, 4) and moved.image_size == (56, 56) and moved.patch_embed.patch_size == 14
+    torch.testing.assert_close(moved.positions.table.detach(), table, rtol=0, atol=0)  # untouched
+    # each 7 x 7 patch upsampled to 14 x 14 on its own: the same tokens, the same logits
+    patches = patchify(images, 7).reshape(3 * 16, 1, 7, 7)
+    big = F.interpolate(patches, size=(14, 14), mode="bilinear", align_corners=False)
+    big = big.reshape(3, 4, 4, 1, 14, 14).permute(0, 3, 1, 4, 2, 5).reshape(3, 1, 56, 56)
+    torch.testing.assert_close(moved(big), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(moved.patch_embed.proj.bias, model.patch_embed.proj.bias)
+    with pytest.raises(ValueError, match="patch_size=15"):  # checked before anything changes
+        moved.resize(56, patch_size=15)
+    assert moved.patch_embed.patch_size == 14
+    both = copy.deepcopy(model).resize(112, patch_size=14)  # a larger grid and patch at once
+    assert both.grid == (8, 8) and both.positions.table.shape[0] == model.num_prefix + 64
+
+
+# ---------------------------------------------------------------------------------------------
+# attention rollout (Abnar and Zuidema 2020)
+
+
+def test_attention_rollout_by_hand():
+    w = torch.tensor([[1.0, 0.0], [0.5, 0.5]]).reshape(1, 1, 2, 2)  # one image, one head
+    # 0.5 A + 0.5 I, rows renormalised (they already sum to 1)
+    one = torch.tensor([[1.0, 0.0], [0.25, 0.75]])
+    torch.testing.assert_close(attention_rollout([w])[0], one)
+    torch.testing.assert_close(attention_rollout([w, w])[0], torch.tensor([[1.0, 0.0], [0.4375, 0.5625]]))
+    torch.testing.assert_close(attention_rollout([w, w], residual=False)[0], torch.tensor([[1.0, 0.0], [0.75, 0.25]]))
+    # the heads are averaged first
+    two_heads = torch.stack([torch.eye(2), torch.tensor([[0.0, 1.0], [1.0, 0.0]])]).reshape(1, 2, 2, 2)
+    torch.testing.assert_close(attention_rollout(two_heads, residual=False)[0], torch.full((2, 2), 0.5))
+    # a trained-free model: every row a distribution
+    model = ViT(28, 7, 10, 16, 2, 3).eval()
+    rollout = attention_rollout(model.attention_weights(torch.rand(4, 1, 28, 28)))
+    assert rollout.shape == (4, 17, 17)
+    torch.testing.assert_close(rollout.sum(-1), torch.ones(4, 17))
+    with pytest.raises(ValueError, match="non-empty list"):
+        attention_rollout([])
+    with pytest.raises(ValueError, match="one B and T"):
+        attention_rollout([torch.rand(1, 1, 2, 2), torch.rand(1, 1, 3, 3)])

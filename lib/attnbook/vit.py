@@ -9,7 +9,13 @@
   patch outputs (``pool="mean"``) into a linear classifier. :meth:`ViT.resize` moves a
   trained model to another image size: its position table is interpolated in 2D
   (:func:`resize_position_table`, the ``<cls>`` row kept as is) or replaced by a fresh
-  one.
+  one; or, with ``patch_size=``, its patch embedding is resized to another patch size
+  instead (FlexiViT's pseudo-inverse resize, :func:`resize_patch_kernel`), which keeps
+  the patch grid.
+- Positions: a learned table, none, or Beyer et al.'s fixed 2-D sin-cos table
+  (:func:`sincos_table_2d`, :class:`SincosPositions2D`).
+- :func:`attention_rollout`: how much each output token draws on each input token
+  through every block (Abnar and Zuidema's rollout, the ViT paper's Figure 6).
 - :class:`SmallResNet`: a small ResNet-style CNN, the baseline ViT is compared with.
 
 The data (:func:`attnbook.data.load_mnist_5k`, :func:`attnbook.data.stratified_split`)
@@ -32,7 +38,7 @@ from .positions import LearnedPositions, interpolate_grid
 from .utils import check_non_negative_int, check_positive_int, eval_mode
 
 POOLS = ("cls", "mean")
-POSITION_EMBEDDINGS = ("learned", "none")
+POSITION_EMBEDDINGS = ("learned", "sincos", "none")
 
 
 def _pair(name: str, value) -> tuple[int, int]:
@@ -121,6 +127,113 @@ class PatchEmbedding(nn.Module):
         x = self.proj(images)  # (B, d, H/p, W/p)
         return x.flatten(2).transpose(1, 2)  # (B, N, d)
 
+    @torch.no_grad()
+    def resize(self, patch_size: int, method: str = "pi") -> PatchEmbedding:
+        """Embed patches of ``patch_size`` from now on: the kernel resized by
+        :func:`resize_patch_kernel` (``method``), the bias kept. Returns ``self``."""
+        weight = resize_patch_kernel(self.proj.weight, patch_size, method)
+        p = weight.shape[-1]
+        proj = nn.Conv2d(self.in_channels, self.d_model, kernel_size=p, stride=p)
+        proj = proj.to(weight.device, weight.dtype)
+        proj.weight.copy_(weight)
+        proj.bias.copy_(self.proj.bias)
+        self.proj, self.patch_size = proj, p
+        return self
+
+
+def _bilinear_resize_matrix(old: int, new: int, dtype=torch.float64) -> torch.Tensor:
+    """``B (new^2, old^2)``: the bilinear resize of an ``old x old`` patch to ``new x
+    new`` (``F.interpolate``, ``align_corners=False``) as a matrix, both flattened row
+    by row: ``resize(x).flatten() == B @ x.flatten()``."""
+    basis = torch.eye(old * old, dtype=dtype).reshape(old * old, 1, old, old)
+    resized = F.interpolate(
+        basis, size=(new, new), mode="bilinear", align_corners=False
+    )  # (old^2, 1, new, new)
+    return resized.reshape(old * old, new * new).T  # column j: the resized basis j
+
+
+def resize_patch_kernel(
+    weight: torch.Tensor, new_patch_size: int, method: str = "pi"
+) -> torch.Tensor:
+    """A patch embedding's kernel ``(d, C, p, p)`` for patches of ``new_patch_size``
+    ``P``: ``(d, C, P, P)``.
+
+    ``method="pi"`` is FlexiViT's pseudo-inverse resize: with ``B`` the bilinear resize
+    of a ``p x p`` patch to ``P x P`` as a matrix, the new kernel is ``pinv(B^T) w``, so
+    that a patch resized bilinearly gives the token the old patch gave, ``<B x, w_new>
+    = <x, w>`` for every ``x`` when ``P >= p`` (a least-squares fit when ``P < p``).
+    ``method="bilinear"`` resizes the kernel like an image, the naive way, which
+    multiplies the tokens by about ``(P / p)^2``."""
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 4
+        or (weight.shape[-1] != weight.shape[-2])
+    ):
+        raise ValueError(
+            "weight must be a (d, C, p, p) patch kernel, got "
+            f"{tuple(getattr(weight, 'shape', ()))}"
+        )
+    if method not in PATCH_RESIZES:
+        raise ValueError(f"method must be one of {PATCH_RESIZES}, got {method!r}")
+    new = check_positive_int("new_patch_size", new_patch_size)
+    old = weight.shape[-1]
+    if new == old:
+        return weight.clone()
+    if method == "bilinear":
+        return F.interpolate(
+            weight, size=(new, new), mode="bilinear", align_corners=False
+        )
+    resize = _bilinear_resize_matrix(old, new)  # (P^2, p^2)
+    flat = weight.reshape(-1, old * old).T.to(torch.float64)  # (p^2, d C)
+    resized = torch.linalg.pinv(resize.T) @ flat  # (P^2, d C)
+    return resized.T.reshape(*weight.shape[:2], new, new).to(weight.dtype)
+
+
+def sincos_table_2d(grid, d_model: int, temperature: float = 10_000.0) -> torch.Tensor:
+    """The fixed 2-D sin-cos position table of Beyer et al. (2022), ``(h w, d)``,
+    patches row by row.
+
+    With ``d / 4`` frequencies ``w_k = temperature^(-k / (d / 4 - 1))``, the patch in
+    row ``r``, column ``c`` gets ``[sin(c w), cos(c w), sin(r w), cos(r w)]``: a quarter
+    of the features for each, as ``posemb_sincos_2d`` in big_vision lays them out.
+    ``d`` must be a multiple of 4, at least 8."""
+    rows, cols = _pair("grid", grid)
+    d_model = check_positive_int("d_model", d_model)
+    if d_model % 4 or d_model < 8:
+        raise ValueError(
+            f"d_model must be a multiple of 4 and at least 8 for a 2-D sin-cos table, "
+            f"got {d_model}"
+        )
+    quarter = d_model // 4
+    omega = temperature ** -(torch.arange(quarter, dtype=torch.float64) / (quarter - 1))
+    r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)  # (h w,)
+    c = torch.arange(cols, dtype=torch.float64).repeat(rows)
+    x, y = c[:, None] * omega, r[:, None] * omega  # (h w, d / 4)
+    table = torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1)
+    return table.to(torch.get_default_dtype())
+
+
+class SincosPositions2D(nn.Module):
+    """A fixed (not trained) position table: :func:`sincos_table_2d` for the patches,
+    after ``num_prefix`` rows of zeros (``<cls>`` gets no position, as in big_vision),
+    added to ``x (B, num_prefix + h w, d)``. The table is a buffer, ``table``: it moves
+    with the model and is saved with it, and no optimiser sees it."""
+
+    def __init__(self, grid, d_model: int, num_prefix: int = 0):
+        super().__init__()
+        num_prefix = check_non_negative_int("num_prefix", num_prefix)
+        patches = sincos_table_2d(grid, d_model)
+        prefix = torch.zeros(num_prefix, patches.shape[1])
+        self.register_buffer("table", torch.cat([prefix, patches]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or tuple(x.shape[1:]) != tuple(self.table.shape):
+            raise ValueError(
+                f"x must be (B, {self.table.shape[0]}, {self.table.shape[1]}), got "
+                f"{tuple(x.shape)}"
+            )
+        return x + self.table.to(x.dtype)
+
 
 def resize_position_table(
     table: torch.Tensor, old_grid, new_grid, num_prefix: int = 1, mode: str = "bicubic"
@@ -173,6 +286,40 @@ def mean_attention_distance(
     return (among * distance).sum(-1).mean(dim=(0, 2))  # (h,)
 
 
+def attention_rollout(weights, residual: bool = True) -> torch.Tensor:
+    """Attention rollout (Abnar and Zuidema, 2020), as the ViT paper's Figure 6 uses it:
+    for every block's weights ``(B, h, T, T)``, first block first, average the heads,
+    add the identity for the residual connection (``0.5 A + 0.5 I``, rows renormalised;
+    ``residual=False`` leaves it out) and multiply the blocks' matrices: ``(B, T, T)``,
+    row ``i`` how much output token ``i`` draws on each input token. Every row sums to
+    1."""
+    if isinstance(weights, torch.Tensor):
+        weights = [weights]
+    weights = list(weights)
+    if not weights or any(
+        not isinstance(w, torch.Tensor)
+        or w.dim() != 4
+        or w.shape[-1] != w.shape[-2]
+        or w.shape[0] != weights[0].shape[0]
+        or w.shape[-1] != weights[0].shape[-1]
+        for w in weights
+    ):
+        raise ValueError(
+            "weights must be a non-empty list of (B, h, T, T) tensors of one B and T, "
+            f"got {[tuple(getattr(w, 'shape', ())) for w in weights]}"
+        )
+    tokens = weights[0].shape[-1]
+    eye = torch.eye(tokens, dtype=weights[0].dtype, device=weights[0].device)
+    rollout = eye.expand(weights[0].shape[0], tokens, tokens)
+    for w in weights:
+        a = w.mean(dim=1)  # (B, T, T): the heads averaged
+        if residual:
+            a = 0.5 * a + 0.5 * eye
+            a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a @ rollout  # this block after the ones below it
+    return rollout
+
+
 class ViT(nn.Module):
     """Vision Transformer: patch embedding, ``<cls>`` token, learned positions, pre-norm
     encoder blocks.
@@ -221,11 +368,13 @@ class ViT(nn.Module):
         self.cls_token = (
             nn.Parameter(torch.randn(1, 1, d_model) * 0.02) if pool == "cls" else None
         )
-        self.positions = (
-            LearnedPositions(self.num_prefix + self.grid[0] * self.grid[1], d_model)
-            if position_embedding == "learned"
-            else None
-        )
+        self.position_embedding = position_embedding
+        self.positions = None  # "none": a bag of patches
+        if position_embedding == "learned":
+            tokens = self.num_prefix + self.grid[0] * self.grid[1]
+            self.positions = LearnedPositions(tokens, d_model)
+        elif position_embedding == "sincos":  # fixed, not trained
+            self.positions = SincosPositions2D(self.grid, d_model, self.num_prefix)
         self.blocks = stack_blocks(
             num_layers,
             d_model,
@@ -293,34 +442,47 @@ class ViT(nn.Module):
         positions: str = "interpolate",
         mode: str = "bicubic",
         generator: torch.Generator | None = None,
+        patch_size: int | None = None,
+        patch_method: str = "pi",
     ) -> ViT:
-        """Move the model to images of ``image_size`` (same patch size, so another patch
-        grid).
+        """Move the model to images of ``image_size``. Returns ``self``.
 
-        ``positions="interpolate"``: the patch rows of the position table are
-        interpolated in 2D to the new grid (:func:`resize_position_table`, bicubically
-        or by ``mode``). ``positions="fresh"``: new patch rows, initialised like a new
-        model's (they must be trained). Two controls, for experiments on what the
-        interpolated table carries: ``"shuffled"``, the interpolated rows in a random
-        order (the same vectors in the wrong places), and ``"random"``, random
-        directions scaled to the interpolated rows' mean length (the right size, no
-        placement). The ``<cls>`` row is always kept, every other weight is unchanged
-        (a ViT without positions only changes its grid), and the random draws use
-        ``generator`` (default: torch's global one). Returns ``self``.
+        With the same patch size, the patch grid changes, and so must the position
+        table. ``positions="interpolate"``: its patch rows are interpolated in 2D to the
+        new grid (:func:`resize_position_table`, bicubically or by ``mode``).
+        ``"fresh"``: new patch rows, initialised like a new model's (they must be
+        trained). Two controls, for experiments on what the interpolated table carries:
+        ``"shuffled"``, the interpolated rows in a random order (the same vectors in the
+        wrong places), and ``"random"``, random directions scaled to the interpolated
+        rows' mean length (the right size, no placement). ``"recompute"`` (a fixed
+        sin-cos table only): the table of the new grid. The ``<cls>`` row is always
+        kept, a fixed table stays fixed, and the random draws use ``generator``
+        (default: torch's global one).
+
+        ``patch_size``: the patch embedding is resized instead (FlexiViT,
+        :meth:`PatchEmbedding.resize` by ``patch_method``), so that twice the side with
+        twice the patch size keeps the grid and the table as they are. Every other
+        weight is unchanged (a ViT without positions only changes its grid).
         """
         if positions not in _RESIZED_POSITIONS:
             raise ValueError(
                 f"positions must be one of {', '.join(map(repr, _RESIZED_POSITIONS))}, "
                 f"got {positions!r}"
             )
-        new_grid = patch_grid(image_size, self.patch_embed.patch_size)
-        if self.positions is not None:
+        if positions == "recompute" and self.position_embedding != "sincos":
+            raise ValueError(
+                'positions="recompute" needs a fixed sin-cos table (position_embedding='
+                f'"sincos"), this ViT has {self.position_embedding!r}'
+            )
+        patch = self.patch_embed.patch_size if patch_size is None else patch_size
+        new_grid = patch_grid(image_size, patch)  # checked before anything changes
+        if patch_size is not None:
+            self.patch_embed.resize(patch_size, patch_method)
+        same_grid = new_grid == self.grid and positions == "interpolate"
+        if self.positions is not None and not same_grid:
             self._resize_table(new_grid, positions, mode, generator)
         self.grid = new_grid
-        self.image_size = (
-            new_grid[0] * self.patch_embed.patch_size,
-            new_grid[1] * self.patch_embed.patch_size,
-        )
+        self.image_size = (new_grid[0] * patch, new_grid[1] * patch)
         return self
 
     def _resize_table(self, new_grid, positions: str, mode: str, generator) -> None:
@@ -340,11 +502,17 @@ class ViT(nn.Module):
             draw = draw.to(rows.device, rows.dtype)
             length = rows.norm(dim=-1).mean()
             rows = draw / draw.norm(dim=-1, keepdim=True) * length
-        new_table = torch.cat([table[:prefix], rows])  # (num_prefix + H*W, d)
-        self.positions.table = nn.Parameter(new_table.contiguous())
+        elif positions == "recompute":
+            rows = sincos_table_2d(new_grid, table.shape[1]).to(rows.device, rows.dtype)
+        new_table = torch.cat([table[:prefix], rows]).contiguous()  # (prefix + H*W, d)
+        if isinstance(self.positions, SincosPositions2D):
+            self.positions.table = new_table  # the buffer: still fixed
+        else:
+            self.positions.table = nn.Parameter(new_table)
 
 
-_RESIZED_POSITIONS = ("interpolate", "fresh", "shuffled", "random")
+_RESIZED_POSITIONS = ("interpolate", "fresh", "shuffled", "random", "recompute")
+PATCH_RESIZES = ("pi", "bilinear")
 
 
 class ResidualBlock(nn.Module):
@@ -431,9 +599,13 @@ __all__ = [
     "PatchEmbedding",
     "ResidualBlock",
     "SmallResNet",
+    "SincosPositions2D",
     "ViT",
+    "attention_rollout",
     "mean_attention_distance",
     "patch_grid",
     "patchify",
+    "resize_patch_kernel",
     "resize_position_table",
+    "sincos_table_2d",
 ]
