@@ -710,6 +710,25 @@ def test_word_midpoints_fall_inside_the_true_word_intervals(transcriber):
         assert [start for _, start, _ in timed] == sorted(start for _, start, _ in timed)
 
 
+def speech_clips():
+    """The chapter's eight clips: clip1..clip5, words1, words2, and words1 + 1 s of silence + words2."""
+    texts = dict(line.split("|", 1) for line in (CLIPS / "texts.txt").read_text().splitlines())
+    clips = {name: audio.read_wav(CLIPS / f"{name}.wav")[0] for name in [*texts, "words1", "words2"]}
+    clips["joined"] = torch.cat([clips["words1"], torch.zeros(16000), clips["words2"]])
+    return clips
+
+
+def test_word_times_equal_openai_whisper_find_alignment_on_every_clip(transcriber):
+    """openai-whisper's own find_alignment (+ merge_punctuations), run once on our tokens of each clip
+    (book/data/speech/make_word_times_reference.py says how), gives the very words and times ours do."""
+    reference = json.loads((CLIPS / "word_times_reference.json").read_text())
+    clips = speech_clips()
+    assert sorted(reference) == sorted(clips) and len(clips) == 8
+    for name, clip in clips.items():
+        ours = transcriber.word_timestamps(clip, tokens=reference[name]["tokens"])
+        assert [[word, start, end] for word, start, end in ours] == reference[name]["find_alignment"], name
+
+
 def test_word_timestamps_reject_bad_input(transcriber):
     clip, rate = audio.read_wav(CLIPS / "clip1.wav")
     assert transcriber.word_timestamps(clip, rate, tokens=[]) == []
