@@ -38,6 +38,9 @@ def test_fingerprint_is_the_code_and_only_the_code_that_measures():
     assert fingerprint(notebook("x = 1", "print(x)", markdown="other prose")) == base
     assert fingerprint(notebook(["x = 1"], ["print(x)"])) == base  # .ipynb stores lines as lists
     assert fingerprint(notebook("x = 1", "print(x)", "s = load_sweep('nb')")) == base  # reads, measures not
+    setup = notebook("import os", "x = 1", "print(x)")
+    setup["cells"][1]["metadata"] = {"tags": ["setup", "hide-cell"]}
+    assert fingerprint(setup) == base  # the setup cell does nothing inside the book
     assert fingerprint(notebook("x = 2", "print(x)")) != base
     assert fingerprint(notebook("print(x)", "x = 1")) != base  # order counts
 

@@ -26,11 +26,14 @@ INSTRUCTIONS = {"default": "narrow", "avx2": "wide"}
 
 def fingerprint(notebook: dict) -> str:
     """SHA-256 of the notebook's code (a parsed ``.ipynb``): every code cell's source,
-    in order, except the cells that read a sweep (they show it, they do not
-    measure)."""
+    in order, except the cells that read a sweep (they show it, they do not measure)
+    and the setup cell (tagged ``setup``: it fetches the book outside its folder and
+    does nothing inside it)."""
     sources = []
     for cell in notebook["cells"]:
         if cell["cell_type"] != "code":
+            continue
+        if "setup" in cell.get("metadata", {}).get("tags", []):
             continue
         source = cell["source"]
         source = "".join(source) if isinstance(source, list) else source
