@@ -162,3 +162,34 @@ def test_decode_without_timestamp_ids_refuses_timestamps(transcriber, clip1):
     with pytest.raises(ValueError, match="timestamp"):
         plain.decode(clip1, timestamps=True)
     assert math.isnan(plain.decode(clip1).no_speech_prob)
+
+
+def test_beam_decoding_is_the_beam_transcript_with_its_score(transcriber, clip1):
+    result = transcriber.decode_beam(clip1, beam_size=3)
+    assert result.tokens == transcriber.transcribe_tokens(clip1, beam_size=3)
+    expected = transcriber.sequence_log_probability(clip1, result.tokens)
+    assert result.sum_log_prob == pytest.approx(expected, abs=1e-6)
+    greedy = transcriber.decode(clip1)
+    assert result.no_speech_prob == pytest.approx(greedy.no_speech_prob, abs=1e-5)
+    assert result.temperature == 0.0
+
+
+def test_fallback_with_a_beam_and_best_of(transcriber, clip1):
+    # a threshold nothing meets: the beam at 0, then best_of samples at each temperature
+    attempts = transcriber.decode_with_fallback(
+        clip1, temperatures=(0.0, 0.6), logprob_threshold=0.0, no_speech_threshold=None,
+        generator=torch.Generator().manual_seed(0), beam_size=2, best_of=3,
+    )
+    assert attempts[0].tokens == transcriber.transcribe_tokens(clip1, beam_size=2)
+    # the kept sample is the best per token of the three the same generator draws
+    generator = torch.Generator().manual_seed(0)
+    transcriber.decode_beam(clip1, beam_size=2)  # the beam draws nothing
+    draws = [transcriber.decode(clip1, temperature=0.6, generator=generator) for _ in range(3)]
+    best = max(draws, key=lambda d: d.sum_log_prob / max(1, len(d.tokens)))
+    assert attempts[1].tokens == best.tokens and attempts[1].temperature == 0.6
+    with pytest.raises(ValueError, match="beam_size"):
+        transcriber.decode_with_fallback(clip1, beam_size=0)
+    with pytest.raises(ValueError, match="best_of"):
+        transcriber.decode_with_fallback(clip1, best_of=0)
+    with pytest.raises(ValueError, match="timestamps"):
+        transcriber.decode_with_fallback(clip1, beam_size=2, timestamps=True)

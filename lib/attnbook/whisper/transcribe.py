@@ -245,6 +245,29 @@ class Transcriber:
             float(temperature),
         )
 
+    def decode_beam(
+        self, audio: torch.Tensor, sample_rate: int = SAMPLE_RATE, *, beam_size: int = 5
+    ) -> Decoding:
+        """A beam search of ``beam_size`` (:meth:`transcribe_tokens`) as a
+        :class:`~attnbook.whisper.safeguards.Decoding` at temperature 0: its total
+        log-probability by :meth:`sequence_log_probabilities` (the end token's
+        included), its no-speech probability from the prompt's logits as in
+        :meth:`decode`."""
+        tokens = self.transcribe_tokens(audio, sample_rate, beam_size=beam_size)
+        (total,) = self.sequence_log_probabilities(audio, [tokens], sample_rate)
+        no_speech_prob = float("nan")
+        if self.no_speech_token is not None:
+            mel = self.log_mel(audio, sample_rate)[None]  # (1, n_mels, 3000)
+            with eval_mode(self.model):
+                context = self.model.decoding_context(1, mel=mel)
+                caches = self.model.decoding_caches(1, context)
+                prompt_ids = torch.tensor([self.prompt], device=self.device)
+                logits = self.model.decode_step(prompt_ids, context, caches)[0].float()
+            start = self.prompt.index(self.start_token)
+            no_speech_prob = float(logits[start].softmax(-1)[self.no_speech_token])
+        text = self.tokenizer.decode(tokens).strip()
+        return Decoding(tokens, text, total, no_speech_prob, 0.0)
+
     def decode_with_fallback(
         self,
         audio: torch.Tensor,
@@ -256,22 +279,41 @@ class Transcriber:
         no_speech_threshold: float | None = NO_SPEECH_THRESHOLD,
         generator: torch.Generator | None = None,
         timestamps: bool = False,
+        beam_size: int = 1,
+        best_of: int = 1,
     ) -> list[Decoding]:
         """Whisper's ``decode_with_fallback``: decode at each temperature in turn until
         :func:`~attnbook.whisper.safeguards.needs_fallback` says the result will do.
-        Returns every attempt, the one kept last (one sample per temperature, as
-        Whisper's ``transcribe`` takes without ``best_of``)."""
+        Returns every attempt, the one kept last.
+
+        Whisper's ``transcribe`` defaults are one decoding per temperature
+        (``beam_size=1``, ``best_of=1``); its command line uses ``beam_size=5`` and
+        ``best_of=5``: at temperature 0 a beam search of ``beam_size`` (without
+        timestamps here), at a higher temperature ``best_of`` samples of which the one
+        with the highest log-probability per token is kept (Whisper's ranking without a
+        length penalty: the total over the number of tokens)."""
+        beam_size = check_positive_int("beam_size", beam_size)
+        best_of = check_positive_int("best_of", best_of)
+        if beam_size > 1 and timestamps:
+            raise ValueError("beam_size > 1 decodes without timestamps here")
         attempts = []
         for temperature in temperatures:
-            attempts.append(
-                self.decode(
-                    audio,
-                    sample_rate,
-                    timestamps=timestamps,
-                    temperature=temperature,
-                    generator=generator,
+            if temperature == 0 and beam_size > 1:
+                attempts.append(self.decode_beam(audio, sample_rate, beam_size=beam_size))
+            else:
+                draws = [
+                    self.decode(
+                        audio,
+                        sample_rate,
+                        timestamps=timestamps,
+                        temperature=temperature,
+                        generator=generator,
+                    )
+                    for _ in range(best_of if temperature > 0 else 1)
+                ]
+                attempts.append(
+                    max(draws, key=lambda d: d.sum_log_prob / max(1, len(d.tokens)))
                 )
-            )
             if not needs_fallback(
                 attempts[-1],
                 compression_ratio_threshold=compression_ratio_threshold,
