@@ -1,7 +1,10 @@
 """Data parallelism: two torchrun ranks (Gloo, CPU) train the GPT with DDP and with FSDP to the parameters
-of one process trained on the whole global batch; the sampler deals disjoint shares; clear errors."""
+of one process trained on the whole global batch; DDP's buckets (one at the first step, then rebuilt in the
+order the gradients arrived); FSDP's collectives counted per step, with and without gradient accumulation;
+the pitfalls' demonstrations; the sampler deals disjoint shares; clear errors."""
 
 import json
+from itertools import accumulate
 
 import pytest
 import torch
@@ -37,7 +40,7 @@ def one_thread():
 
 def test_ddp_and_fsdp_match_one_process_on_the_global_batch(tmp_path, one_thread):
     config = Config(steps=STEPS)
-    launch(tmp_path, nproc=2, config=config, timeout=240)
+    launch(tmp_path, nproc=2, config=config, timeout=240, demonstrations=True)
     ranks = [torch.load(tmp_path / f"ddp_rank{rank}.pt") for rank in range(2)]
     fsdp = torch.load(tmp_path / "fsdp.pt")
     reports = [json.loads((tmp_path / f"report_rank{rank}.json").read_text()) for rank in range(2)]
@@ -58,9 +61,11 @@ def test_ddp_and_fsdp_match_one_process_on_the_global_batch(tmp_path, one_thread
         averaged, _ = train_averaging(config)
         for name, p in averaged.named_parameters():
             assert torch.equal(ranks[0][name], p.detach()), name
-    # the mean of the ranks' losses is the loss of the global batch
+    # the mean of the ranks' losses is the loss of the global batch, and what the ranks log
     mean_losses = [(a + b) / 2 for a, b in zip(reports[0]["ddp"]["losses"], reports[1]["ddp"]["losses"], strict=True)]
     assert mean_losses == pytest.approx(reference_losses, abs=LOSS_TOLERANCE[backend])
+    for report in reports:
+        assert report["ddp"]["logged_losses"] == pytest.approx(mean_losses, abs=1e-12)
     assert reference_losses[-1] < reference_losses[0]
 
     # FSDP: each rank stores about half of every parameter, gradient and momentum buffer; DDP all of them
@@ -71,13 +76,53 @@ def test_ddp_and_fsdp_match_one_process_on_the_global_batch(tmp_path, one_thread
         shares = [report["fsdp"]["stored"][kind] for report in reports]
         assert sum(shares) == total
         assert max(shares) - min(shares) <= 2 * 64 * 4  # dim-0 chunks: a row per tensor at most
-    # DDP all-reduced every gradient exactly once per step, in buckets (how many, which parameters go together
-    # and in what order is DDP's own business: it regroups them after the first step, for one)
-    names = sorted(name for name, _ in reference.named_parameters())
-    for step in ("buckets_first_step", "buckets_last_step"):
-        buckets = reports[0]["ddp"][step]
-        assert sorted(name for bucket in buckets for name in bucket["parameters"]) == names, step
+    # DDP all-reduced every gradient exactly once per step, in buckets
+    names = [name for name, _ in reference.named_parameters()]
+    for step in ("first_step", "last_step"):
+        buckets = reports[0]["ddp"][step]["buckets"]
+        assert sorted(name for bucket in buckets for name in bucket["parameters"]) == sorted(names), step
         assert sum(bucket["elements"] for bucket in buckets) == total, step
+        # each bucket leaves as soon as backward has computed its last gradient
+        assert [b["ready"] for b in buckets] == list(accumulate(len(b["parameters"]) for b in buckets)), step
+        assert all(b["launched"] <= b["finished"] for b in buckets), step
+    # the first step: one bucket of every gradient, sent when backward is over; then DDP rebuilds the
+    # buckets in the order the first backward computed the gradients, and the first leaves early
+    first, last = reports[0]["ddp"]["first_step"], reports[0]["ddp"]["last_step"]
+    assert len(first["buckets"]) == 1 and first["buckets"][0]["ready"] == len(names)
+    assert len(last["buckets"]) > 1 and last["buckets"][0]["ready"] < len(names)
+    assert [n for b in last["buckets"] for n in b["parameters"]] == first["order"] == last["order"]
+    assert sorted(first["order"]) == sorted(names) and first["order"] != names
+
+    # FSDP's collectives per step: each block's weights gathered in forward and again in backward, the
+    # root's once (kept from forward to backward); every unit's gradients reduce-scattered once
+    layers = config.num_layers
+    for report in reports:
+        for step in ("collectives_first_step", "collectives_last_step"):
+            calls = report["fsdp"][step]
+            assert calls["all_gather"]["calls"] == 2 * layers + 1
+            assert calls["reduce_scatter"]["calls"] == layers + 1
+            padded = calls["reduce_scatter"]["numbers"]  # every unit once, padded to split evenly
+            assert total <= padded < total + 2 * 64 * layers + 4 * 64
+            assert padded < calls["all_gather"]["numbers"] < 2 * padded
+        held = report["fsdp"]["gradients_held"]  # a local micro-step holds full gradients
+        assert held == {"local": total, "synced": report["fsdp"]["stored"]["gradients"]}
+
+    # the demonstrations: rank-offset seeds repaired by DDP, mixed by FSDP; dropout masks; a
+    # collective on rank 0 only times out; the timing of 37 all-reduces against one bucket
+    demos = [report["demonstrations"] for report in reports]
+    assert [d["seeding"]["differs_before_wrapping"] for d in demos] == [False, True]
+    for d in demos:
+        seeding = d["seeding"]
+        assert seeding["equal_after_wrapping"]
+        assert seeding["rows_from_seed"] == [32, 31] and seeding["table_rows"] == 63
+        assert seeding["identical_masks"] == {"shared": True, "per_rank": False}
+        timing = d["allreduce_timing"]
+        assert len(timing["separate_s"]) == len(timing["bucket_s"]) > 0
+        assert min(timing["separate_s"] + timing["bucket_s"]) > 0
+    hang = demos[0]["mismatched_collective"]
+    assert hang["called"] and hang["error"] == "RuntimeError" and "Timed out" in hang["message"]
+    assert hang["waited_s"] >= 1.9
+    assert demos[1]["mismatched_collective"] == {"called": False}
 
 
 def test_gradient_accumulation_matches_one_process_and_communicates_once_a_step(tmp_path, one_thread):
@@ -98,9 +143,21 @@ def test_gradient_accumulation_matches_one_process_and_communicates_once_a_step(
         averaged, _ = train_averaging(config)
         for name, p in averaged.named_parameters():
             assert torch.equal(ddp[name], p.detach()), name
+    if report["backend"] == "gloo":  # FSDP reduce-scattering every micro-step: the same training
+        synced = torch.load(tmp_path / "fsdp_synced.pt")
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(synced[name], p.detach().cpu(), atol=tolerance, rtol=0, msg=name)
     total = sum(p.numel() for p in reference.parameters())
-    for step in ("buckets_first_step", "buckets_last_step"):  # one all-reduce of each gradient
-        assert sum(bucket["elements"] for bucket in report["ddp"][step]) == total, step
+    for step in ("first_step", "last_step"):  # one all-reduce of each gradient
+        assert sum(bucket["elements"] for bucket in report["ddp"][step]["buckets"]) == total, step
+    # FSDP still all-gathers at every micro-step; it reduce-scatters once a step inside no_sync, at every
+    # micro-step without; and a local micro-step leaves full gradients on the rank
+    layers, micro = config.num_layers, config.micro_steps
+    for scheme, scatters in (("fsdp", layers + 1), ("fsdp_synced", micro * (layers + 1))):
+        calls = report[scheme]["collectives_last_step"]
+        assert calls["all_gather"]["calls"] == micro * (2 * layers + 1), scheme
+        assert calls["reduce_scatter"]["calls"] == scatters, scheme
+    assert report["fsdp"]["gradients_held"]["local"] == total
     # without dividing each micro-step's loss, the accumulated gradient is micro_steps times too large
     dataset, vocab_size = windows_dataset(config)
     model = distributed.build_model(vocab_size, config)

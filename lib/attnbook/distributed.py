@@ -26,9 +26,14 @@ The ranks write to ``DIR``:
   dict);
 - ``fsdp.pt``: the FSDP parameters after training, gathered into full tensors (written
   by rank 0);
-- ``report_rank{r}.json``: rank ``r``'s losses, the buckets DDP all-reduced, and how
-  many numbers the rank stored for parameters, gradients and optimizer state under each
-  scheme.
+- ``report_rank{r}.json``: rank ``r``'s losses (and the mean over the ranks), the
+  buckets DDP all-reduced with a clock on the backward pass (:class:`BucketLog`), the
+  all-gathers and reduce-scatters FSDP ran (:class:`CollectiveLog`), and how many
+  numbers the rank stored for parameters, gradients and optimizer state under each
+  scheme; with ``--demonstrations``, the pitfalls' demonstrations too.
+
+With gradient accumulation (``--micro-steps`` above 1) the ranks train FSDP a second
+time, reduce-scattering at every micro-step (``fsdp_synced.pt``).
 
 :func:`train_single` trains the same model in one process on the whole global batch: the
 reference both must match, since the mean loss over the global batch is the mean of the
@@ -39,13 +44,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
-from functools import lru_cache
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
@@ -241,7 +249,8 @@ def train_steps(
     its backward, so the summed gradients are those of the mean over the step's
     windows; ``no_sync`` (a context manager factory: DDP's ``no_sync``,
     :func:`fsdp_no_sync` for FSDP) keeps every micro-step's gradients local but the
-    last one's, so the ranks communicate once per optimizer step.
+    last one's, so the gradients are averaged once per optimizer step (FSDP still
+    gathers the weights at every micro-step).
     """
     micro_steps = config.micro_steps if micro_steps is None else micro_steps
     optimizer = build_optimizer(model, config)
@@ -262,10 +271,10 @@ def train_steps(
 
 @contextlib.contextmanager
 def fsdp_no_sync(model: nn.Module):
-    """FSDP's counterpart of DDP's ``no_sync()``: inside, backward leaves the
-    gradients unsharded on each rank and skips the reduce-scatter
-    (``set_requires_gradient_sync(False)``); the next backward outside reduces what
-    accumulated."""
+    """FSDP's counterpart of DDP's ``no_sync()``: inside, backward skips the
+    reduce-scatter (``set_requires_gradient_sync(False)``) and leaves each rank the
+    full, unsharded gradients, which the next backward outside reduce-scatters.
+    Forward and backward still all-gather the weights."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -365,18 +374,53 @@ def stored_numbers(model: nn.Module, optimizer: Optimizer) -> dict[str, int]:
     }
 
 
+def count_steps(log, batches: Iterator, micro_steps: int) -> Iterator:
+    """Yield ``batches`` unchanged, telling ``log`` (its ``step``) which optimizer step
+    each belongs to: ``micro_steps`` batches a step."""
+    for index, batch in enumerate(batches):
+        log.step = index // micro_steps
+        yield batch
+
+
 class BucketLog:
     """A DDP communication hook that records each gradient bucket, then all-reduces it
-    as DDP would.
+    as DDP would, with a clock on the backward pass around it.
 
-    ``log.buckets[step]`` lists, in the order they were all-reduced during that step's
-    backward, the buckets as ``{"index", "elements", "parameters"}`` (parameter names).
+    ``log.steps[step]`` describes the last backward pass of that optimizer step:
+
+    - ``"order"``: the parameters in the order backward computed their gradients, and
+      ``"gradients"``: when (seconds after the gradient of the model's output was
+      ready, the start of the model's backward pass);
+    - ``"buckets"``, in the order DDP sent them: ``{"index", "elements",
+      "parameters", "ready", "launched", "finished"}``: the parameters' names, how many
+      gradients backward had computed when the bucket was sent, and when its
+      all-reduce began and ended.
     """
 
     def __init__(self, model: nn.Module):
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.step = 0
-        self.buckets: dict[int, list[dict]] = {}
+        self.steps: dict[int, dict] = {}
+        self._start = 0.0
+        for name, p in model.named_parameters():
+            p.register_hook(partial(self._gradient_ready, name))
+        model.register_forward_hook(self._forward_done)
+
+    def _clock(self) -> float:
+        return time.perf_counter() - self._start
+
+    def _forward_done(self, module, inputs, output):
+        if output.requires_grad:  # its gradient is the first of the backward pass
+            output.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad):
+        self._start = time.perf_counter()
+        self.steps[self.step] = {"order": [], "gradients": [], "buckets": []}
+
+    def _gradient_ready(self, name, grad):
+        record = self.steps[self.step]
+        record["order"].append(name)
+        record["gradients"].append(self._clock())
 
     # (no annotations: DDP checks them against the real classes)
     def hook(self, state, bucket):
@@ -386,15 +430,102 @@ class BucketLog:
             allreduce_hook,
         )
 
-        self.buckets.setdefault(self.step, []).append(
-            {
-                "index": bucket.index(),
-                "elements": bucket.buffer().numel(),
-                "parameters": [self.names[id(p)] for p in bucket.parameters()],
-            }
+        record = self.steps[self.step]
+        entry = {
+            "index": bucket.index(),
+            "elements": bucket.buffer().numel(),
+            "parameters": [self.names[id(p)] for p in bucket.parameters()],
+            "ready": len(record["order"]),
+            "launched": self._clock(),
+        }
+        record["buckets"].append(entry)
+        future = allreduce_hook(None, bucket)  # divide by world_size, sum over ranks
+
+        def finished(future):
+            entry["finished"] = self._clock()
+            return future.value()
+
+        return future.then(finished)
+
+
+class CollectiveLog:
+    """Counts the all-gathers and reduce-scatters of an FSDP model, per optimizer step.
+
+    :meth:`attach` makes a ``fully_shard``-ed module run its collectives through this
+    log (``set_custom_all_gather``, ``set_custom_reduce_scatter``); ``log.steps[step]``
+    is then ``{"all_gather": [...], "reduce_scatter": [...]}``, the size of each call
+    in numbers: the whole flat buffer, every rank's chunk of it (the gathered output,
+    the input to scatter), padding included. Nothing is recorded while ``step`` is
+    None.
+    """
+
+    def __init__(self):
+        self.step: int | None = 0
+        self.steps: dict[int, dict[str, list[int]]] = {}
+
+    def attach(self, module: nn.Module) -> None:
+        module.set_custom_all_gather(_CountedAllGather(self))
+        module.set_custom_reduce_scatter(_CountedReduceScatter(self))
+
+    def record(self, kind: str, numbers: int) -> None:
+        if self.step is not None:
+            calls = self.steps.setdefault(
+                self.step, {"all_gather": [], "reduce_scatter": []}
+            )
+            calls[kind].append(int(numbers))
+
+    def per_step(self, step: int) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls": how many, "numbers": their sizes summed}}`` for
+        ``step``."""
+        return {
+            kind: {"calls": len(sizes), "numbers": sum(sizes)}
+            for kind, sizes in self.steps[step].items()
+        }
+
+
+class _CountedAllGather:
+    """FSDP's all-gather (``dist.all_gather_into_tensor``), recorded in a
+    :class:`CollectiveLog`."""
+
+    def __init__(self, log: CollectiveLog):
+        self.log = log
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.log.record("all_gather", output_tensor.numel())
+        return dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
         )
-        # divide by world_size, then sum over the ranks
-        return allreduce_hook(None, bucket)
+
+
+class _CountedReduceScatter(_CountedAllGather):
+    """FSDP's reduce-scatter (``dist.reduce_scatter_tensor``), recorded in a
+    :class:`CollectiveLog`."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.log.record("reduce_scatter", input_tensor.numel())
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+
+
+def gradient_numbers_held() -> int:
+    """How many gradient numbers this process holds: the gradients of every parameter
+    alive in it (this rank's chunk of a sharded one), found by the garbage collector.
+
+    FSDP's gradients between two backward passes that skip the reduce-scatter are not
+    on the model's (sharded) parameters but on the full-size copies it gathered, so
+    counting ``model.parameters()`` would miss them; counting every parameter does not.
+    """
+    gc.collect()  # let go of models nothing refers to any more
+    held = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, nn.Parameter) and obj.grad is not None:
+            grad = obj.grad
+            held += (grad.to_local() if hasattr(grad, "to_local") else grad).numel()
+    return held
 
 
 def train_ddp(
@@ -421,27 +552,34 @@ def train_ddp(
     log = BucketLog(model)
     # records the buckets, then all-reduces them as DDP would
     ddp.register_comm_hook(None, log.hook)
-
-    def counted(batches):  # tell the hook which optimizer step's backward it is in
-        for index, batch in enumerate(batches):
-            log.step = index // config.micro_steps
-            yield batch
-
-    # this rank's share of each batch
-    batches = counted(rank_batches(dataset, config, rank, world_size))
+    # this rank's share of each batch (the log learns which step each batch is for)
+    batches = count_steps(
+        log, rank_batches(dataset, config, rank, world_size), config.micro_steps
+    )
     # the single-process loop, unchanged; with accumulation, no all-reduce but the last
     losses, optimizer = train_steps(ddp, batches, config, device, no_sync=ddp.no_sync)
+    # each rank's losses are its own share's: the training loss is their mean
+    logged = torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.all_reduce(logged)
     params = {name: p.detach().cpu() for name, p in model.named_parameters()}
     return params, {
         "losses": losses,
-        "buckets_first_step": log.buckets[0],
-        "buckets_last_step": log.buckets[config.steps - 1],
+        "logged_losses": (logged / world_size).tolist(),
+        "first_step": log.steps[0],
+        "last_step": log.steps[config.steps - 1],
         "stored": stored_numbers(model, optimizer),
     }
 
 
 def train_fsdp(
-    dataset, vocab_size: int, config: Config, rank: int, world_size: int, device
+    dataset,
+    vocab_size: int,
+    config: Config,
+    rank: int,
+    world_size: int,
+    device,
+    *,
+    sync_every_micro_step: bool = False,
 ):
     """One rank's FSDP training (inside an initialised process group): returns ``(full
     parameters, report)``.
@@ -450,7 +588,9 @@ def train_fsdp(
     one chunk of rows (dim 0). Before a sharded module runs, forward or backward, its
     parameters are all-gathered; after it, the full copies are freed; its gradients are
     reduce-scattered, so each rank receives the average of its own chunk only, and the
-    optimizer updates (and keeps state for) that chunk alone.
+    optimizer updates (and keeps state for) that chunk alone. With gradient
+    accumulation the micro-steps but the last skip the reduce-scatter
+    (:func:`fsdp_no_sync`), unless ``sync_every_micro_step``.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -460,19 +600,140 @@ def train_fsdp(
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)  # the root unit: embeddings, final norm, head
-    losses, optimizer = train_steps(
-        model,
-        rank_batches(dataset, config, rank, world_size),
-        config,
-        device,
-        no_sync=lambda: fsdp_no_sync(model),
+    log = CollectiveLog()  # counts each unit's all-gathers and reduce-scatters
+    for unit in (*model.blocks, model):
+        log.attach(unit)
+    batches = count_steps(
+        log, rank_batches(dataset, config, rank, world_size), config.micro_steps
     )
+    no_sync = None if sync_every_micro_step else (lambda: fsdp_no_sync(model))
+    losses, optimizer = train_steps(model, batches, config, device, no_sync=no_sync)
     stored = stored_numbers(model, optimizer)  # this rank's shards only
+    log.step = None  # (not a training step)
+    held = gradients_held_by_micro_steps(model, next(batches), device)
     # an all-gather
     full = {
         name: p.full_tensor().detach().cpu() for name, p in model.named_parameters()
     }
-    return full, {"losses": losses, "stored": stored}
+    return full, {
+        "losses": losses,
+        "stored": stored,
+        "collectives_first_step": log.per_step(0),
+        "collectives_last_step": log.per_step(config.steps - 1),
+        "gradients_held": held,
+    }
+
+
+def gradients_held_by_micro_steps(model: nn.Module, batch, device) -> dict[str, int]:
+    """The gradient numbers this rank holds (:func:`gradient_numbers_held`) after one
+    micro-step of an FSDP ``model`` that keeps its gradients local
+    (:func:`fsdp_no_sync`: ``"local"``), then after one more that reduce-scatters them
+    (``"synced"``); the gradients are set to None before and after."""
+    model.zero_grad(set_to_none=True)
+    held = {}
+    for name in ("local", "synced"):
+        with fsdp_no_sync(model) if name == "local" else contextlib.nullcontext():
+            next_token_loss(model, to_device(batch, device)).backward()
+        held[name] = gradient_numbers_held()
+    model.zero_grad(set_to_none=True)
+    return held
+
+
+def seeding_demonstration(
+    vocab_size: int, config: Config, rank: int, world_size: int, device
+) -> dict:
+    """What happens when every rank seeds its weights with ``config.seed + rank``
+    (inside an initialised process group): DDP's broadcast at wrapping repairs the
+    replicas; ``fully_shard`` keeps each rank's own chunk, so the gathered weights mix
+    the ranks' initialisations. And the dropout masks the ranks draw after building
+    the model from one seed, then after reseeding with ``config.seed + rank``.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    def seeded(seed):  # the model each seed builds, in this process
+        return build_model(vocab_size, replace(config, seed=seed)).to(device)
+
+    def same(a, b):
+        return all(
+            torch.equal(p, q)
+            for p, q in zip(a.parameters(), b.parameters(), strict=True)
+        )
+
+    reference = seeded(config.seed)  # rank 0's model, and every rank's with one seed
+    own = seeded(config.seed + rank)
+    result = {"differs_before_wrapping": not same(own, reference)}
+    DistributedDataParallel(own)  # broadcasts rank 0's parameters
+    result["equal_after_wrapping"] = same(own, reference)
+
+    own = seeded(config.seed + rank)
+    fully_shard(own)  # this rank keeps its chunk of the rows of its own build
+    table = own.token_embedding.weight.full_tensor().detach().cpu()  # all-gathered
+    builds = [seeded(config.seed + r).token_embedding.weight for r in range(world_size)]
+    result["table_rows"] = len(table)
+    result["rows_from_seed"] = [  # rows of the gathered table equal to seed + r's
+        sum(torch.equal(table[i], build[i].detach().cpu()) for i in range(len(table)))
+        for build in builds
+    ]
+
+    masks = {}
+    for name in ("shared", "per_rank"):
+        build_model(vocab_size, config)  # every rank: the weights from the shared seed
+        if name == "per_rank":
+            seed_everything(config.seed + rank)  # then the noise from a seed of its own
+        dropped = F.dropout(torch.ones(8, config.seq_len, device=device), 0.5) == 0
+        dropped = dropped.to(torch.uint8)  # (gloo gathers no bools)
+        gathered = [torch.empty_like(dropped) for _ in range(world_size)]
+        dist.all_gather(gathered, dropped)
+        masks[name] = all(torch.equal(gathered[0], m) for m in gathered)
+    result["identical_masks"] = masks
+    return result
+
+
+def mismatched_collective(rank: int, timeout_s: float = 2.0) -> dict:
+    """Rank 0 alone calls an all-reduce (as logging code under ``if rank == 0`` might);
+    the other ranks go on to the next collective, a barrier. Rank 0 waits for partners
+    that never come: on a group with a ``timeout_s`` timeout it fails after that long,
+    where the default timeout would have made it wait for many minutes. Returns, on
+    rank 0, the error and how long it waited."""
+    group = dist.new_group(timeout=timedelta(seconds=timeout_s))  # every rank joins
+    result = {"called": rank == 0}
+    if rank == 0:
+        start = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            result["error"] = None
+        except RuntimeError as error:  # gloo: "Timed out waiting ..."
+            result["error"] = type(error).__name__
+            result["message"] = str(error).splitlines()[0]
+        result["waited_s"] = time.perf_counter() - start
+    dist.barrier()  # the other ranks wait here for rank 0 to give up
+    dist.destroy_process_group(group)
+    return result
+
+
+def allreduce_timing(shapes, repeats: int = 15, device="cpu") -> dict:
+    """Seconds to all-reduce tensors of ``shapes`` one collective per tensor, and all
+    of them as one flat bucket (copied in and out, as DDP does), ``repeats`` times
+    each, interleaved; both lists are returned."""
+    tensors = [torch.zeros(shape, device=device) for shape in shapes]
+    bucket = torch.zeros(sum(t.numel() for t in tensors), device=device)
+    separate, bucketed = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for t in tensors:
+            dist.all_reduce(t)
+        separate.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        torch.cat([t.flatten() for t in tensors], out=bucket)
+        dist.all_reduce(bucket)
+        sizes = [t.numel() for t in tensors]
+        for t, part in zip(tensors, bucket.split(sizes), strict=True):
+            t.copy_(part.view_as(t))
+        bucketed.append(time.perf_counter() - start)
+    return {"separate_s": separate, "bucket_s": bucketed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,6 +755,12 @@ def main(argv: list[str] | None = None) -> int:
         "--optimizer", choices=("sgd", "adamw"), default=Config.optimizer
     )
     parser.add_argument("--lr", type=float, default=Config.lr)
+    parser.add_argument(
+        "--demonstrations",
+        action="store_true",
+        help="also run the pitfalls' demonstrations (seeding, a collective on one "
+        "rank only, 37 all-reduces against one bucket)",
+    )
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error(
@@ -537,6 +804,27 @@ def main(argv: list[str] | None = None) -> int:
             "ddp": ddp_report,
             "fsdp": fsdp_report,
         }
+        if config.micro_steps > 1:  # FSDP again, reduce-scattering every micro-step
+            synced_params, report["fsdp_synced"] = train_fsdp(
+                dataset,
+                vocab_size,
+                config,
+                rank,
+                world_size,
+                device,
+                sync_every_micro_step=True,
+            )
+            if rank == 0:
+                torch.save(synced_params, out / "fsdp_synced.pt")
+        if args.demonstrations:
+            shapes = [list(p.shape) for p in ddp_params.values()]
+            report["demonstrations"] = {
+                "seeding": seeding_demonstration(
+                    vocab_size, config, rank, world_size, device
+                ),
+                "mismatched_collective": mismatched_collective(rank),
+                "allreduce_timing": allreduce_timing(shapes, device=device),
+            }
         (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
         dist.barrier()
     finally:
@@ -551,13 +839,14 @@ def launch(
     config: Config | None = None,
     timeout: float = 300,
     extra_env: dict[str, str] | None = None,
+    demonstrations: bool = False,
 ) -> subprocess.CompletedProcess:
     """Start ``nproc`` ranks of :func:`main` with torchrun and wait for them; return the
     finished process.
 
     ``config`` (default ``Config()``) passes its seed, steps, global batch,
     micro-steps, optimizer and learning rate to the ranks; its other fields must keep
-    their defaults.
+    their defaults. ``demonstrations`` runs the pitfalls' demonstrations too.
 
     ``--standalone`` makes torchrun host its own rendezvous on this machine at a free
     port (no port to choose, none to collide). Each worker gets ``OMP_NUM_THREADS=1``
@@ -610,6 +899,7 @@ def launch(
         config.optimizer,
         "--lr",
         repr(config.lr),
+        *(["--demonstrations"] if demonstrations else []),
     ]
     result = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=timeout
@@ -628,16 +918,23 @@ if __name__ == "__main__":
 
 __all__ = [
     "BucketLog",
+    "CollectiveLog",
     "Config",
+    "allreduce_timing",
     "backend_and_device",
     "build_model",
     "build_optimizer",
+    "count_steps",
     "fsdp_no_sync",
     "global_batches",
+    "gradient_numbers_held",
+    "gradients_held_by_micro_steps",
     "launch",
     "main",
+    "mismatched_collective",
     "next_token_loss",
     "rank_batches",
+    "seeding_demonstration",
     "stored_numbers",
     "train_averaging",
     "train_ddp",
