@@ -695,8 +695,13 @@ def mismatched_collective(rank: int, timeout_s: float = 2.0) -> dict:
     the other ranks go on to the next collective, a barrier. Rank 0 waits for partners
     that never come: on a group with a ``timeout_s`` timeout it fails after that long,
     where the default timeout would have made it wait for many minutes. Returns, on
-    rank 0, the error and how long it waited."""
-    group = dist.new_group(timeout=timedelta(seconds=timeout_s))  # every rank joins
+    rank 0, the error and how long it waited.
+
+    The group is Gloo's, on the CPU, whatever the ranks train on: NCCL's watchdog would
+    end the process at the timeout rather than raise.
+    """
+    # every rank joins the group
+    group = dist.new_group(timeout=timedelta(seconds=timeout_s), backend="gloo")
     result = {"called": rank == 0}
     if rank == 0:
         start = time.perf_counter()
@@ -716,6 +721,9 @@ def allreduce_timing(shapes, repeats: int = 15, device="cpu") -> dict:
     """Seconds to all-reduce tensors of ``shapes`` one collective per tensor, and all
     of them as one flat bucket (copied in and out, as DDP does), ``repeats`` times
     each, interleaved; both lists are returned."""
+    device = torch.device(device)
+    # GPU collectives run asynchronously: wait for them before reading the clock
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tensors = [torch.zeros(shape, device=device) for shape in shapes]
     bucket = torch.zeros(sum(t.numel() for t in tensors), device=device)
     separate, bucketed = [], []
@@ -724,6 +732,7 @@ def allreduce_timing(shapes, repeats: int = 15, device="cpu") -> dict:
         start = time.perf_counter()
         for t in tensors:
             dist.all_reduce(t)
+        wait()
         separate.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
@@ -732,6 +741,7 @@ def allreduce_timing(shapes, repeats: int = 15, device="cpu") -> dict:
         sizes = [t.numel() for t in tensors]
         for t, part in zip(tensors, bucket.split(sizes), strict=True):
             t.copy_(part.view_as(t))
+        wait()
         bucketed.append(time.perf_counter() - start)
     return {"separate_s": separate, "bucket_s": bucketed}
 
