@@ -463,13 +463,13 @@ def test_loading_a_layer_of_other_sizes_names_them(reference, message):
 
 
 def test_one_builder_makes_every_stack_of_blocks():
-    from attnbook.blocks import DecoderOnlyBlock, stack_blocks
+    from attnbook.blocks import DecoderBlock, stack_blocks
 
     stack = stack_blocks(3, 32, 4, 64, 0.1, activation="gelu", norm="pre")
     assert len(stack) == 3 and all(type(b) is EncoderBlock for b in stack)
-    assert stack[0].norm_position == "pre" and stack[0].activation_name == "gelu"
+    assert stack[0].norm_position == "pre" and stack[0].feed_forward.activation_name == "gelu"
     assert stack[0] is not stack[1]  # three blocks, not one shared
-    assert all(type(b) is DecoderOnlyBlock for b in stack_blocks(2, 32, 4, block=DecoderOnlyBlock))
+    assert all(type(b) is DecoderBlock for b in stack_blocks(2, 32, 4, block=DecoderBlock))
     with pytest.raises(ValueError, match="num_layers must be a positive int, got 0"):
         stack_blocks(0, 32, 4)
     # every model of the library builds its stack with it: the same blocks, the same names
@@ -479,3 +479,28 @@ def test_one_builder_makes_every_stack_of_blocks():
     vit = attnbook.ViT(28, 7, 10, 32, 4, 2)
     for model in (gpt, vit):
         assert isinstance(model.blocks, nn.ModuleList) and len(model.blocks) == 2
+
+
+def test_a_block_is_composed_from_the_modules_it_is_given():
+    """Chapter 5's block takes any attention, feed-forward network and norms: an EncoderBlock is
+    that block with the original's modules, and a GPT's blocks are composed the same way."""
+    from attnbook.blocks import Block, DecoderOnlyBlock
+    from attnbook.modern import RMSNorm, SwiGLU
+
+    torch.manual_seed(0)
+    encoder = EncoderBlock(16, 4, norm="pre").eval()
+    composed = Block(encoder.self_attention, encoder.feed_forward, encoder.norm1, encoder.norm2,
+                     norm_position="pre").eval()
+    x = torch.randn(2, 5, 16)
+    assert torch.equal(composed(x, causal_mask(5)), encoder(x, causal_mask(5)))
+    causal = DecoderOnlyBlock(encoder.self_attention, encoder.feed_forward, encoder.norm1, encoder.norm2,
+                              norm_position="pre").eval()
+    assert torch.equal(causal(x), encoder(x, is_causal=True))  # causal unless told otherwise
+    llama_like = DecoderOnlyBlock(MultiHeadAttention(16, 4, bias=False), SwiGLU(16, 24), RMSNorm(16), RMSNorm(16))
+    assert llama_like(x).shape == x.shape and llama_like.norm_position == "pre"
+    with pytest.raises(ValueError, match="norm must be 'post' or 'pre', got 'rms'"):
+        Block(encoder.self_attention, encoder.feed_forward, encoder.norm1, encoder.norm2, norm_position="rms")
+    import attnbook
+
+    gpt = attnbook.GPT(11, 16, 4, 1, 8)
+    assert type(gpt.blocks[0]) is DecoderOnlyBlock and type(gpt.blocks[0].self_attention) is MultiHeadAttention

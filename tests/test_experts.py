@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 from attnbook import GPT, MoEFeedForward, SwiGLU, generate
-from attnbook.experts import aux_loss, gpt_arguments, moe_parameters
+from attnbook.convert import gpt_arguments
+from attnbook.experts import aux_loss, moe_parameters, record_routing
 from conftest import require
 from torch import nn
 
@@ -52,39 +53,40 @@ def hand_layer(capacity_factor=None):
 
 def test_routing_by_hand():
     layer, x = hand_layer()
-    out = layer(x)
-    routing = layer.last_routing
+    out, routing = layer(x, return_routing=True)
     assert routing.experts.tolist() == [[0, 1], [1, 0], [0, 2], [0, 1]]
     # the top two renormalised: 4/8 and 3/8 become 4/7 and 3/7
     torch.testing.assert_close(routing.weights, torch.tensor([[4, 3], [4, 3], [4, 3], [4, 3]]) / 7)
     e0, e1, e2 = (expert(x) for expert in layer.experts)
     expected = torch.stack([4 * e0[0] + 3 * e1[0], 4 * e1[1] + 3 * e0[1], 4 * e0[2] + 3 * e2[2], 4 * e0[3] + 3 * e1[3]]) / 7
     torch.testing.assert_close(out, expected, **TOL)
-    assert layer.tokens_per_expert.tolist() == [4, 3, 1] and layer.capacity is None and layer.dropped == 0.0
+    assert routing.tokens_per_expert.tolist() == [4, 3, 1] and routing.capacity is None
+    assert routing.dropped == 0.0 and torch.equal(layer(x), out)  # the same without statistics
     # f = (4, 3, 1)/4 tokens, P = (15, 11, 6)/32: 3 (f . P) = 3 (60 + 33 + 6)/128 = 2.3203125
-    assert layer.aux_loss.item() == pytest.approx(2.3203125)
+    assert routing.aux_loss.item() == pytest.approx(2.3203125)
+    assert not hasattr(layer, "last_routing") and not hasattr(layer, "aux_loss")  # nothing kept
 
 
 def test_capacity_drops_assignments_in_token_order():
     layer, x = hand_layer(capacity_factor=0.75)  # ceil(0.75 * 4 tokens * 2 / 3 experts) = 2 seats each
-    out = layer(x)
-    assert layer.capacity == 2
+    out, routing = layer(x, return_routing=True)
+    assert routing.capacity == 2
     # expert 0 seats tokens 0, 1 (not 2, 3), expert 1 tokens 0, 1 (not 3), expert 2 token 2
-    assert layer.last_routing.kept.tolist() == [[True, True], [True, True], [False, True], [False, False]]
-    assert layer.dropped == 3 / 8 and layer.tokens_per_expert.tolist() == [4, 3, 1]  # chosen, before drops
+    assert routing.kept.tolist() == [[True, True], [True, True], [False, True], [False, False]]
+    assert routing.dropped == 3 / 8 and routing.tokens_per_expert.tolist() == [4, 3, 1]  # before drops
     free, _ = hand_layer()
     torch.testing.assert_close(out[:2], free(x)[:2], **TOL)  # tokens 0, 1 lose nothing
     torch.testing.assert_close(out[2], 3 / 7 * layer.experts[2](x[2]), **TOL)  # weight not renormalised
     assert torch.equal(out[3], torch.zeros(2))  # fully dropped: the block's residual carries it
-    assert layer.aux_loss.item() == pytest.approx(2.3203125)  # counted before the drops
+    assert routing.aux_loss.item() == pytest.approx(2.3203125)  # counted before the drops
 
 
 def test_enough_capacity_drops_nothing():
     torch.manual_seed(0)
     layer = MoEFeedForward(16, 24, E, K, capacity_factor=E / K)  # every expert can seat every token
     x = torch.randn(3, 7, 16)
-    out = layer(x)
-    assert layer.capacity == 21 and layer.dropped == 0.0
+    out, routing = layer(x, return_routing=True)
+    assert routing.capacity == 21 and routing.dropped == 0.0
     layer.capacity_factor = None
     torch.testing.assert_close(out, layer(x), **TOL)
 
@@ -94,8 +96,9 @@ def test_one_expert_is_a_dense_swiglu():
     layer, dense = MoEFeedForward(16, 24, 1, 1), SwiGLU(16, 24)
     dense.load_state_dict(layer.experts[0].state_dict())
     x = torch.randn(2, 5, 16)
-    torch.testing.assert_close(layer(x), dense(x), **TOL)
-    assert layer.aux_loss.item() == pytest.approx(1.0) and layer.tokens_per_expert.tolist() == [10]
+    out, routing = layer(x, return_routing=True)
+    torch.testing.assert_close(out, dense(x), **TOL)
+    assert routing.aux_loss.item() == pytest.approx(1.0) and routing.tokens_per_expert.tolist() == [10]
 
 
 # ---- against transformers' Mixtral layer
@@ -115,13 +118,14 @@ def test_equals_mixtral_sparse_moe_block_and_its_load_balancing_loss():
             expert.down_proj.weight.copy_(reference.experts.down_proj[i])
     x = torch.randn(2, 9, D)
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), reference(x), **TOL)
+        out, routing = ours(x, return_routing=True)
+        torch.testing.assert_close(out, reference(x), **TOL)
         logits, weights, indices = reference.gate(x)
-    torch.testing.assert_close(ours.last_routing.weights, weights, **TOL)
-    assert torch.equal(ours.last_routing.experts, indices)
+    torch.testing.assert_close(routing.weights, weights, **TOL)
+    assert torch.equal(routing.experts, indices)
     expected = modeling_mixtral.load_balancing_loss_func((logits,), E, K)
-    assert ours.tokens_per_expert.sum() == 18 * K
-    torch.testing.assert_close(ours.aux_loss, expected, **TOL)
+    assert routing.tokens_per_expert.sum() == 18 * K
+    torch.testing.assert_close(routing.aux_loss, expected, **TOL)
 
 
 # ---- the MoE GPT
@@ -137,13 +141,20 @@ def test_moe_gpt_trains_with_the_load_balancing_loss():
     assert all(isinstance(block.feed_forward, MoEFeedForward) for block in model.blocks)
     assert count(model) == moe_parameters(V, D, 2, H, KV, HIDDEN, E, K)[0]
     tokens = torch.randint(V, (2, 16), generator=torch.Generator().manual_seed(1))
-    logits = model(tokens)
-    balance = aux_loss(model)
-    torch.testing.assert_close(balance, sum(block.feed_forward.aux_loss for block in model.blocks))
+    with record_routing(model) as routings:
+        logits = model(tokens)
+    assert len(routings) == 2 and torch.equal(logits, model(tokens))  # the same without recording
+    balance = aux_loss(routings)
+    torch.testing.assert_close(balance, routings[0].aux_loss + routings[1].aux_loss)
     loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) + 0.01 * balance
     loss.backward()
     assert all(block.feed_forward.router.weight.grad.abs().sum() > 0 for block in model.blocks)
-    assert model.blocks[0].feed_forward.capacity == math.ceil(32 * K / E)
+    assert routings[0].capacity == math.ceil(32 * K / E)
+    with record_routing(model) as outer, record_routing(model) as inner:  # recorders nest
+        model(tokens[:1])
+    assert len(inner) == len(outer) == 2 and inner[0].capacity == math.ceil(16 * K / E)
+    assert all(a is b for a, b in zip(inner, outer, strict=True))
+    assert all(not block.feed_forward._forward_pre_hooks for block in model.blocks)  # removed
     for block in model.blocks:  # capacity counts each call's tokens: cached decoding would seat others
         block.feed_forward.capacity_factor = None
     torch.testing.assert_close(generate(model, tokens[:1, :4], 6), generate(model, tokens[:1, :4], 6, use_cache=False))
@@ -221,16 +232,16 @@ def test_moe_rejects_bad_inputs_and_options():
         GPT(V, D, H, 1, 8, experts={"num_experts": 2})
     with pytest.raises(TypeError, match="experts must be a dict"):
         GPT(V, D, H, 1, 8, activation="swiglu", experts=4)
-    with pytest.raises(ValueError, match="no MoEFeedForward"):
-        aux_loss(GPT(V, D, H, 1, 8))
-    with pytest.raises(ValueError, match="run a forward first"):
-        aux_loss(moe_gpt())
+    with pytest.raises(ValueError, match="no MoEFeedForward"), record_routing(GPT(V, D, H, 1, 8)):
+        pass
+    with pytest.raises(ValueError, match="record_routing"):
+        aux_loss([])
 
 
 def test_zero_tokens_give_a_zero_load_balancing_loss():
     torch.manual_seed(0)
     layer = MoEFeedForward(8, 12, num_experts=4, top_k=2, capacity_factor=1.0)
-    out = layer(torch.zeros(0, 8))
+    out, routing = layer(torch.zeros(0, 8), return_routing=True)
     assert out.shape == (0, 8)
-    assert layer.aux_loss.item() == 0.0 and layer.dropped == 0.0
-    assert layer.tokens_per_expert.tolist() == [0, 0, 0, 0]
+    assert routing.aux_loss.item() == 0.0 and routing.dropped == 0.0
+    assert routing.tokens_per_expert.tolist() == [0, 0, 0, 0]

@@ -189,7 +189,7 @@ def test_caches_follow_the_keys_dtype_and_reject_a_second_one():
     caches = model.make_caches(1, dtype=torch.float16)  # empty: the first keys (float32) decide
     model(torch.zeros(1, 2, dtype=torch.long), caches)
     assert caches[0].keys.dtype == torch.float32 and caches[0].length == 2
-    with pytest.raises(ValueError, match="KV cache holds torch.float32.*got keys torch.float64"):
+    with pytest.raises(ValueError, match="KVCache holds torch.float32.*got torch.float64"):
         caches[0].append(torch.zeros(1, 2, 1, 8, dtype=torch.float64), torch.zeros(1, 2, 1, 8, dtype=torch.float64))
     model.double()
     assert model.make_caches(1)[0].keys.dtype == torch.float64
@@ -1084,3 +1084,66 @@ def test_gpt_forward_with_a_padding_mask_gives_each_prompts_own_logits():
         model(ids, key_padding_mask=mask[:, 1:])
     with pytest.raises(ValueError, match="sink_tokens"):
         GPT(VOCAB, 32, 4, 1, 40, positions="rope", window=4, sink_tokens=1)(ids, key_padding_mask=mask)
+
+
+# --- speculative acceptance, a pure function ------------------------------------------------------
+
+
+def test_accept_drafts_greedy_keeps_the_drafts_the_target_agrees_with():
+    from attnbook import accept_drafts
+
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [0.0, 4.0, 1.0, 2.0], [1.0, 0.0, 2.0, 5.0]])  # argmax 2, 1, 3
+    accepted, weights = accept_drafts(torch.tensor([2, 0]), logits)
+    assert accepted == 1 and weights.tolist() == [0.0, 1.0, 0.0, 0.0]  # the target's token replaces 0
+    accepted, weights = accept_drafts(torch.tensor([2, 1]), logits)
+    assert accepted == 2 and weights.argmax() == 3  # both kept, then the target's bonus token
+    accepted, weights = accept_drafts(torch.tensor([0, 1]), logits)
+    assert accepted == 0 and weights.argmax() == 2  # the first disagrees: nothing after it is judged
+
+
+def test_accept_drafts_sampling_by_hand():
+    """Draft x is kept while uniform * q(x) < p(x); the first one rejected is replaced from
+    max(0, p - q); after every draft, a bonus token from p."""
+    from attnbook import accept_drafts
+
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.25, 0.5], [0.125, 0.125, 0.75]])
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25]])
+    drafted = torch.tensor([0, 0])  # p/q = 2 (always kept), then 1/2
+    accepted, weights = accept_drafts(drafted, p, q, torch.tensor([0.99, 0.5]))
+    assert accepted == 1 and weights.tolist() == [0.0, 0.0, 0.25]  # 0.5 * 0.5 = 0.25 is not < 0.25
+    accepted, weights = accept_drafts(drafted, p, q, torch.tensor([0.99, 0.49]))
+    assert accepted == 2 and weights.tolist() == [0.125, 0.125, 0.75]  # kept: the bonus from p
+    accepted, weights = accept_drafts(torch.tensor([1]), p[1:], p[1:2], torch.tensor([0.999]))
+    assert accepted == 1  # p = q: always kept
+    # rejected where p <= q everywhere but at x: the residual max(0, p - q) is what is left
+    accepted, weights = accept_drafts(torch.tensor([1]), p[:2], q[:1], torch.tensor([0.75]))
+    assert accepted == 0 and weights.tolist() == [0.25, 0.0, 0.0]
+
+
+def test_accept_drafts_gives_the_targets_distribution_exactly():
+    """One draft drawn from q, kept or replaced: the written token is distributed as p, whatever q
+    (Leviathan et al. 2023). Exact, by averaging over a fine grid of uniforms instead of drawing."""
+    from attnbook import accept_drafts
+
+    p = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64)
+    grid = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000
+    written = torch.zeros(3, dtype=torch.float64)
+    for x in range(3):
+        for u in grid:
+            accepted, weights = accept_drafts(torch.tensor([x]), p, q, u[None])
+            written += q[0, x] / len(grid) * (torch.eye(3, dtype=torch.float64)[x] if accepted else
+                                               weights / weights.sum())
+    torch.testing.assert_close(written, p[0], atol=1e-3, rtol=0)
+
+
+def test_top_k_keeps_exactly_k_when_tokens_tie_at_the_border():
+    """Four tokens tie for second place: top_k=2 keeps the best and one of them, exactly two."""
+    from attnbook import sampling_probabilities, truncate_logits
+
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 2.0, 1.0]])
+    kept = truncate_logits(logits, top_k=2).isfinite()
+    assert kept.sum() == 2 and kept[0, 0]
+    probabilities = sampling_probabilities(logits, top_k=2)
+    assert (probabilities > 0).sum() == 2
+    torch.testing.assert_close(probabilities.sum(), torch.tensor(1.0))

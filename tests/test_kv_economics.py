@@ -129,12 +129,12 @@ def test_quantized_cache_by_hand():
     k, v = torch.randn(2, 1, 2, 10, 4, generator=torch.Generator().manual_seed(0))
     keys, values = cache.append(k[:, :, :6], v[:, :, :6])  # a prompt of 6
     assert torch.equal(keys, k[:, :, :6]) and torch.equal(values, v[:, :, :6])  # fresh: exact
-    assert (cache.length, cache.stored, cache.quantized_keys.codes.shape[2]) == (6, 2, 4)
+    assert (cache.length, cache.held, cache.quantized_keys.codes.shape[2]) == (6, 2, 4)
     for t in range(6, 10):
         assert cache.key_len(1) == t + 1
         keys, values = cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
     # 8 tokens quantised (two groups), 2 in the residual, in full precision
-    assert (cache.length, cache.stored) == (10, 2) and keys.shape == (1, 2, 10, 4)
+    assert (cache.length, cache.held) == (10, 2) and keys.shape == (1, 2, 10, 4)
     assert torch.equal(keys[:, :, 8:], k[:, :, 8:10]) and torch.equal(values[:, :, 8:], v[:, :, 8:10])
     key_steps = spread(cache.quantized_keys)  # (1, 2, 8, 4): per channel, per 4 tokens
     value_steps = spread(cache.quantized_values)  # (1, 2, 8, 4): per token
@@ -143,7 +143,9 @@ def test_quantized_cache_by_hand():
     assert ((values[:, :, :8] - v[:, :, :8]).abs() <= value_steps / 2 * (1 + 1e-5) + 1e-7).all()
     # bytes: keys 64 codes of 1 byte + 16 groups x (scale, offset) x 4 bytes; values 64
     # codes of half a byte + 16 groups x 2 x 4; residual 2 tokens x 2 heads x 4 x 4 bytes x 2
-    assert cache.nbytes() == (64 + 16 * 2 * 4) + (32 + 16 * 2 * 4) + 2 * 2 * 4 * 4 * 2 == 480
+    assert cache.packed_nbytes() == (64 + 16 * 2 * 4) + (32 + 16 * 2 * 4) + 2 * 2 * 4 * 4 * 2 == 480
+    # held in memory here: a byte a code, the statistics, the residual buffers of 4 tokens
+    assert cache.nbytes() == (64 + 16 * 2 * 4) * 2 + 2 * (2 * 4 * 4 * 4) == 640
     full = KVCache(1, 2, 10, 4)
     full.append(k, v)
     assert full.nbytes() == 640
@@ -312,7 +314,7 @@ def test_rolling_cache_keeps_its_sinks():
     cache = RollingKVCache(1, 1, 4, 1, sink_tokens=1)
     x = torch.arange(8.0)[None, None, :, None]  # token p's key is p
     keys, _ = cache.append(x[:, :, :6], x[:, :, :6])  # a prompt of 6: every key returned
-    assert keys.flatten().tolist() == [0, 1, 2, 3, 4, 5] and cache.stored == 4
+    assert keys.flatten().tolist() == [0, 1, 2, 3, 4, 5] and cache.held == 4
     assert cache.keys.flatten().tolist() == [0, 3, 4, 5]  # the sink and the last 3
     assert cache.key_len(1) == 4
     keys, _ = cache.append(x[:, :, 6:7], x[:, :, 6:7])
@@ -375,6 +377,11 @@ def test_new_names_are_exported():
     for name in ("BlockPool", "PagedKVCache", "QuantizedKVCache", "QuantizedTensor", "dequantize_kv",
                  "generate_paged", "paged_memory_waste", "quantize_kv"):
         assert name in attnbook.__all__ and hasattr(attnbook, name)
+    # the allocator and the quantisation in modules of their own, the caches on one base
+    assert attnbook.BlockPool.__module__ == "attnbook.paging"
+    assert attnbook.quantize_kv.__module__ == "attnbook.quantize"
+    for cache in (KVCache, RollingKVCache, QuantizedKVCache, attnbook.LatentKVCache, attnbook.paging._PagedLayer):
+        assert issubclass(cache, attnbook.caches.Cache)
 
 
 def test_generate_paged_frees_the_callers_blocks_when_it_raises():
@@ -401,3 +408,18 @@ def test_generate_paged_under_autocast_equals_generate():
     sequence.layers[0].append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
     with pytest.raises(ValueError, match="one dtype"):  # a pool in use keeps its dtype
         sequence.layers[1].append(torch.zeros(1, 2, 1, 8).bfloat16(), torch.zeros(1, 2, 1, 8).bfloat16())
+
+
+def test_a_quantized_cache_keeps_keys_per_channel_so_an_outlier_channel_costs_nothing():
+    """KIVI's reason to quantise keys per channel: one channel 100 times larger than the others sets
+    its own scale, not theirs. Per token, every key's scale would span the outlier."""
+    keys = torch.randn(1, 1, 32, 8, generator=torch.Generator().manual_seed(0))
+    keys[..., 3] *= 100  # an outlier channel
+    cache = QuantizedKVCache(1, 1, 32, 8, key_bits=4, value_bits=4, group_size=32)
+    cache.append(keys, keys)
+    stored_keys, stored_values = cache.append(keys[:, :, :0], keys[:, :, :0])  # dequantised
+    others = [c for c in range(8) if c != 3]
+    key_error = (stored_keys - keys)[..., others].abs().max()
+    assert key_error < 0.3  # half a step of the small channels' own range
+    value_error = (stored_values - keys)[..., others].abs().max()
+    assert value_error > 2  # values per token: the outlier's range swamps them

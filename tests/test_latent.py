@@ -13,8 +13,8 @@ from attnbook import (
     generate,
     speculative_generate,
 )
+from attnbook.convert import _latent_layer
 from attnbook.measure import flop_counter
-from attnbook.modern import _latent_layer
 from conftest import require
 from torch import nn
 
@@ -174,7 +174,7 @@ def test_latent_cache_surgery():
 
 def test_latent_cache_rejects_bad_inputs():
     cache = LatentKVCache(2, 4, RANK, ROPE)
-    with pytest.raises(ValueError, match=r"latents \(B=2, t, 16\) and RoPE keys \(B, t, 8\)"):
+    with pytest.raises(ValueError, match=r"latents \(B=2, t, 16\) and rope_keys \(B=2, t, 8\)"):
         cache.append(torch.randn(2, 1, RANK + 1), torch.randn(2, 1, ROPE))
     with pytest.raises(ValueError, match="share dtype"):
         cache.append(torch.randn(2, 1, RANK), torch.randn(2, 1, ROPE).double())

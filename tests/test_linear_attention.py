@@ -10,8 +10,9 @@ from attnbook import (
     linear_attention,
     linear_attention_recurrent,
 )
-from attnbook.blocks import DecoderOnlyBlock
+from attnbook.blocks import DecoderOnlyBlock, FeedForward
 from attnbook.linear import LinearAttentionState, linear_attention_state_bytes
+from torch import nn
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -93,7 +94,8 @@ def test_low_precision_keeps_the_dtype():
 
 def test_layer_in_a_decoder_block_is_causal_and_steps():
     torch.manual_seed(0)
-    block = DecoderOnlyBlock(16, 4, norm="pre", attention_class=LinearAttention).eval()
+    block = DecoderOnlyBlock(LinearAttention(16, 4), FeedForward(16), nn.LayerNorm(16), nn.LayerNorm(16),
+                             norm_position="pre").eval()
     x = torch.randn(2, 6, 16)
     y = block(x)
     assert y.shape == (2, 6, 16)

@@ -189,17 +189,29 @@ def test_bad_rope_scaling_raises(kwargs, match):
 
 def test_rotary_attention_scaling_default_and_bad_values():
     attention = attnbook.RotaryMultiHeadAttention(32, 4)
-    assert attention.rope_scale == 1.0
+    assert attention.rotary.scale == 1.0 and attention.rope_base == 10000.0
     x = torch.randn(2, 6, 32)
     before = attention(x, x, x, is_causal=True)[0]
-    attention.set_rope_scaling(4.0, "ntk")
+    attention.rotary.set_scaling(4.0, "ntk")
     assert not torch.allclose(attention(x, x, x, is_causal=True)[0], before)
-    attention.set_rope_scaling()  # back to plain RoPE
+    attention.rotary.set_scaling()  # back to plain RoPE
     assert torch.equal(attention(x, x, x, is_causal=True)[0], before)
     with pytest.raises(ValueError, match="method must be one of"):
-        attention.set_rope_scaling(2.0, "log")
+        attention.rotary.set_scaling(2.0, "log")
     with pytest.raises(ValueError, match=">= 1"):
-        attention.set_rope_scaling(0.25)
+        attention.rotary.set_scaling(0.25)
+
+
+def test_rotary_is_apply_rope_with_its_scaling():
+    """One home for RoPE's scaling: the module rotates as apply_rope with the same arguments."""
+    x = torch.randn(2, 3, 7, 8)
+    rotary = attnbook.Rotary(500.0)
+    assert torch.equal(rotary(x, 5), apply_rope(x, 5, 500.0))
+    rotary.set_scaling(4.0, "yarn", original_length=16)
+    assert torch.equal(rotary(x, 5), apply_rope(x, 5, 500.0, scale=4.0, method="yarn", original_length=16))
+    assert "scale=4.0" in repr(rotary)
+    with pytest.raises(ValueError, match="rope_base must be a number > 1"):
+        attnbook.Rotary(1.0)
 
 
 # --- sliding windows and the rolling cache ----------------------------------------------------------
@@ -232,7 +244,7 @@ def test_rolling_cache_keeps_the_last_window_entries():
     cache = RollingKVCache(1, 2, 4, 3)
     keys = torch.arange(10.0)[None, None, :, None].expand(1, 2, 10, 3)
     k, _ = cache.append(keys[:, :, :6], keys[:, :, :6])  # a prompt of 6: all 6 returned (queries need them)
-    assert k.shape[2] == 6 == cache.length and cache.stored == 4
+    assert k.shape[2] == 6 == cache.length and cache.held == 4
     assert cache.keys[0, 0, :, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
     assert cache.key_len(1) == 4
     k, _ = cache.append(keys[:, :, 6:7], keys[:, :, 6:7])  # one new token sees itself and 3 before it
@@ -273,7 +285,7 @@ def test_gpt_rolling_cache_memory_is_the_windows():
     assert sum(c.nbytes() for c in caches) == attnbook.cost.kv_cache_bytes(3, 8, 32, 4, batch_size=2)
     with torch.no_grad():
         model(torch.randint(0, 13, (2, 50)), caches)
-    assert caches[0].length == 50 and caches[0].stored == 8
+    assert caches[0].length == 50 and caches[0].held == 8
 
 
 @pytest.mark.parametrize("positions", SCHEMES)
@@ -327,6 +339,9 @@ def test_gpt_bad_position_arguments_raise(kwargs, match):
 def test_gpt_rope_scaling_only_for_rope():
     with pytest.raises(ValueError, match="positions='rope'"):
         GPT(13, 32, 4, 1, 8, positions="alibi").set_rope_scaling(2.0)
+    model = GPT(13, 32, 4, 2, 64, positions="rope", num_kv_heads=2)  # grouped heads' RoPE too
+    model.set_rope_scaling(3.0, "ntk")
+    assert all(block.self_attention.rotary.scale == 3.0 for block in model.blocks)
     torch.manual_seed(0)
     model = GPT(13, 32, 4, 2, 64, positions="rope").eval()
     tokens = torch.randint(0, 13, (1, 64))
@@ -392,9 +407,9 @@ def test_every_cache_refuses_a_second_dtype_and_mixed_keys_and_values(cache_clas
         cache.append(half, half.float())
     cache.append(half, half)  # the first keys decide: the empty cache follows them
     assert cache.keys.dtype == torch.float16
-    with pytest.raises(ValueError, match="KV cache holds torch.float16 on cpu, got keys torch.float32"):
+    with pytest.raises(ValueError, match="KVCache holds torch.float16 on cpu, got torch.float32"):
         cache.append(half.float(), half.float())
-    with pytest.raises(ValueError, match=r"KV cache expects keys and values \(B=1, h=2, t, head_dim=3\)"):
+    with pytest.raises(ValueError, match=r"KVCache expects keys \(B=1, h=2, t, head_dim=3\) and values"):
         cache.append(torch.zeros(1, 2, 1, 4, dtype=torch.float16), torch.zeros(1, 2, 1, 4, dtype=torch.float16))
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from attnbook import (
     GPT,
+    GroupedQueryAttention,
     KVCache,
     MultiHeadAttention,
     RMSNorm,
@@ -18,7 +19,9 @@ from attnbook import (
     repeat_kv,
 )
 from attnbook.blocks import DecoderOnlyBlock
-from attnbook.modern import decoder_parameters, gpt_arguments, rope_halves_to_pairs
+from attnbook.convert import gpt_arguments
+from attnbook.models import decoder_block
+from attnbook.modern import decoder_parameters, rope_halves_to_pairs
 from conftest import require
 from torch import nn
 
@@ -109,8 +112,8 @@ def test_defaults_initialise_bit_identically_to_before(name):
 def test_default_gpt_has_no_new_attributes_in_its_modules():
     model = GPT(50, 32, 4, 2, 16)
     attention = model.blocks[0].self_attention
-    assert attention.q_norm is None and attention.k_norm is None
-    assert attention.num_kv_heads == 4 and model.num_kv_heads == 4
+    assert type(attention) is MultiHeadAttention and model.num_kv_heads == 4
+    assert not hasattr(attention, "q_norm") and not hasattr(attention, "num_kv_heads")
     assert "norm" not in repr(attention) and model.lm_head.weight is not model.token_embedding.weight
 
 
@@ -167,7 +170,7 @@ def test_grouped_attention_is_full_attention_with_shared_key_value_heads():
     """Key/value head g serves query heads g r .. g r + r - 1: a full MultiHeadAttention whose
     key and value heads are the grouped ones repeated computes the same."""
     torch.manual_seed(0)
-    grouped = MultiHeadAttention(D, H, num_kv_heads=KV).eval()
+    grouped = GroupedQueryAttention(D, H, num_kv_heads=KV).eval()
     assert grouped.k_proj.out_features == grouped.v_proj.out_features == KV * HEAD_DIM
     full = MultiHeadAttention(D, H).eval()
     full.load_state_dict({
@@ -205,7 +208,8 @@ def test_grouped_rotary_attention_equals_llama_attention(kv_heads):
     with torch.no_grad():
         for projection in (reference.q_proj, reference.k_proj, reference.v_proj, reference.o_proj):
             projection.bias.normal_()
-    ours = permuted_from(reference, RotaryMultiHeadAttention(D, H, num_kv_heads=kv_heads).eval(), H, kv_heads)
+    ours = GroupedQueryAttention(D, H, num_kv_heads=kv_heads, rope_base=10000.0)
+    ours = permuted_from(reference, ours.eval(), H, kv_heads)
     x = torch.randn(2, 9, D)
     expected, expected_weights = reference(x, rotary_embeddings(config, 9), causal_bias(9))
     out, weights = ours(x, x, x, is_causal=True)
@@ -220,7 +224,8 @@ def test_qk_norm_attention_equals_qwen3_attention():
     with torch.no_grad():
         reference.q_norm.weight.uniform_(0.5, 1.5)
         reference.k_norm.weight.uniform_(0.5, 1.5)
-    ours = RotaryMultiHeadAttention(D, H, bias=False, num_kv_heads=KV, qk_norm=True, qk_norm_eps=1e-5)
+    ours = GroupedQueryAttention(D, H, bias=False, num_kv_heads=KV, qk_norm=True, qk_norm_eps=1e-5,
+                                 rope_base=10000.0)
     assert [n for n, _ in ours.named_parameters()][-2:] == ["q_norm.weight", "k_norm.weight"]
     ours = permuted_from(reference, ours.eval(), H, KV)
     x = torch.randn(2, 9, D)
@@ -230,7 +235,7 @@ def test_qk_norm_attention_equals_qwen3_attention():
 
 def test_grouped_attention_caches_only_its_key_value_heads():
     torch.manual_seed(0)
-    attention = RotaryMultiHeadAttention(D, H, num_kv_heads=1, qk_norm=True).eval()
+    attention = GroupedQueryAttention(D, H, num_kv_heads=1, qk_norm=True, rope_base=10000.0).eval()
     x = torch.randn(2, 7, D)
     full, _ = attention(x, x, x, is_causal=True)
     cache = KVCache(2, 1, 7, HEAD_DIM)
@@ -293,12 +298,12 @@ def test_rope_base_reaches_apply_rope():
     torch.manual_seed(0)
     attention = RotaryMultiHeadAttention(D, H, rope_base=500000.0)
     q, k = torch.randn(1, H, 5, HEAD_DIM), torch.randn(1, H, 5, HEAD_DIM)
-    rotated_q, rotated_k = attention.project_queries_keys(q, k, 3)
+    rotated_q, rotated_k = attention.encode_positions(q, k, 3)
     torch.testing.assert_close(rotated_q, apply_rope(q, 3, 500000.0))
     torch.testing.assert_close(rotated_k, apply_rope(k, 3, 500000.0))
     assert not torch.allclose(rotated_q, apply_rope(q, 3))
-    attention.set_rope_scaling(2.0, "ntk")
-    torch.testing.assert_close(attention.project_queries_keys(q, k, 3)[0],
+    attention.rotary.set_scaling(2.0, "ntk")
+    torch.testing.assert_close(attention.encode_positions(q, k, 3)[0],
                                apply_rope(q, 3, 500000.0, scale=2.0, method="ntk"))
     model = GPT(V, D, H, 1, 16, positions="rope", rope_base=500000.0)
     assert model.blocks[0].self_attention.rope_base == 500000.0
@@ -412,9 +417,11 @@ def test_from_transformers_refuses_other_models(model):
 
 def test_num_heads_must_be_divisible_by_num_kv_heads():
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by num_kv_heads=3"):
-        MultiHeadAttention(D, H, num_kv_heads=3)
+        GroupedQueryAttention(D, H, num_kv_heads=3)
     with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
-        MultiHeadAttention(D, H, num_kv_heads=0)
+        GroupedQueryAttention(D, H, num_kv_heads=0)
+    with pytest.raises(TypeError):  # chapter 3's attention has no grouped heads
+        MultiHeadAttention(D, H, num_kv_heads=2)
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         GPT(V, D, H, 1, 16, num_kv_heads=3)
 
@@ -432,18 +439,21 @@ def test_gpt_rejects_bad_options(kwargs, match):
 
 
 def test_pytorch_weights_do_not_load_into_modern_modules():
-    with pytest.raises(ValueError, match="num_kv_heads=None, qk_norm=False"):
-        MultiHeadAttention(D, H, num_kv_heads=KV).load_from_torch(nn.MultiheadAttention(D, H, batch_first=True))
+    with pytest.raises(ValueError, match="grouped keys and values nor QK-norm"):
+        GroupedQueryAttention(D, H, num_kv_heads=KV).load_from_torch(nn.MultiheadAttention(D, H, batch_first=True))
     reference = nn.TransformerEncoderLayer(D, H, batch_first=True, norm_first=True)
-    with pytest.raises(ValueError, match="norm='rms'"):
-        DecoderOnlyBlock(D, H, norm="rms").load_from_torch(reference)
+    block = decoder_block(GPT(V, D, H, 1, 8, norm="rms").config)
+    assert isinstance(block, DecoderOnlyBlock)
+    with pytest.raises(ValueError, match="LayerNorm and a two-layer MLP; this block has RMSNorm"):
+        block.load_from_torch(reference)
 
 
 def test_benchmark_floor_refuses_what_it_does_not_compute():
     from attnbook import bench
 
     prompt = torch.zeros(1, 2, dtype=torch.long)
-    for kwargs, match in [(dict(num_kv_heads=KV), "num_kv_heads=2"), (dict(qk_norm=True), "QK-norm"),
+    for kwargs, match in [(dict(num_kv_heads=KV), "GroupedQueryAttention"),
+                          (dict(qk_norm=True), "GroupedQueryAttention"),
                           (dict(activation="swiglu"), "GELU"), (dict(norm="rms"), "pre-norm")]:
         with pytest.raises(ValueError, match=match):
             bench.floor_generate(GPT(V, D, H, 1, 8, **kwargs), prompt, 3)

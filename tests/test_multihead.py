@@ -674,7 +674,7 @@ def test_kv_cache_wrong_shapes_raise(k_shape, v_shape):
 def test_attention_with_a_cache_of_another_batch_size_raises():
     attention = MultiHeadAttention(8, 2)
     x = torch.randn(1, 1, 8)
-    with pytest.raises(ValueError, match=r"KV cache expects.*B=2.*\(1, 2, 1, 4\)"):
+    with pytest.raises(ValueError, match=r"KVCache expects.*B=2.*\(1, 2, 1, 4\)"):
         attention(x, x, x, cache=KVCache(2, 2, 5, 4))
 
 

@@ -1,17 +1,18 @@
 """attnbook: the tested library behind the book *Attention & Transformers*.
 
 One module per concept, each standing on the ones before (imports only go downward):
-utils -> masks -> positions -> attention -> multihead -> blocks -> models -> generation,
-with modern (chapter 17: RMSNorm, SwiGLU, RoPE's two layouts, reading transformers'
-Llama, Qwen3, Mistral and DeepSeek-V3; below multihead), data and train (datasets, the
-training loop), cost (formulas, timing), measure (timing helpers), bert (MiniLM-L6 in
-our encoder), vit (chapter 9), audio, whisper, ctc and metrics (chapter 10), flash
-(chapter 15: FlashAttention), interpretability (chapter 16: induction heads), latent
-(chapter 18: DeepSeek's multi-head latent attention; between multihead and models),
-experts (chapter 19: mixture of experts, reading transformers' Mixtral; between modern
-and blocks),
-linear (chapter 20: linear attention; above multihead), ssm (chapter 20: a Mamba
-block; on utils alone),
+utils -> masks -> positions -> attention -> multihead (chapter 3, with chapter 4's
+RoPE) -> modern (chapter 17: RMSNorm, SwiGLU, grouped-query attention) -> experts
+(chapter 19: mixture of experts) -> blocks (chapter 5) -> quantize, caches, paging
+(chapters 8 and 18: the KV caches on one base, their quantisation and the paged block
+pool) -> latent (chapter 18: DeepSeek's multi-head latent attention) -> convert
+(reading transformers' Llama, Qwen3, Mistral, Mixtral and DeepSeek-V3) -> models
+(chapter 6: the three families; a GPT built from a config) -> generation (the decoding
+loops on one step function). Beside them: data and train (datasets, the training
+loop), cost (formulas), measure (timing helpers), bert (MiniLM-L6 in our encoder), vit
+(chapter 9), audio, whisper, ctc and metrics (chapter 10), flash (chapter 15:
+FlashAttention), interpretability (chapter 16: induction heads), linear (chapter 20:
+linear attention; above multihead), ssm (chapter 20: a Mamba block; on utils alone),
 distributed (the appendix: DDP and FSDP on gloo, imported on its own as
 ``attnbook.distributed``) and bench (``python -m attnbook.bench``).
 """
@@ -19,6 +20,7 @@ distributed (the appendix: DDP and FSDP on gloo, imported on its own as
 from . import (
     audio,
     bert,
+    convert,
     cost,
     ctc,
     data,
@@ -26,6 +28,8 @@ from . import (
     measure,
     metrics,
     modern,
+    paging,
+    quantize,
     speech,
     train,
     vit,
@@ -39,19 +43,13 @@ from .attention import (
 )
 from .audio import log_mel_spectrogram
 from .bert import BertEncoder, load_minilm
-from .blocks import DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
+from .blocks import Block, DecoderBlock, DecoderOnlyBlock, EncoderBlock, FeedForward
 from .caches import (
-    BlockPool,
     KVCache,
     LatentKVCache,
-    PagedKVCache,
     QuantizedKVCache,
-    QuantizedTensor,
     RollingKVCache,
-    dequantize_kv,
     make_caches,
-    paged_memory_waste,
-    quantize_kv,
 )
 from .ctc import (
     ctc_best_alignment,
@@ -60,10 +58,11 @@ from .ctc import (
     ctc_loss,
     ctc_prefix_beam_search,
 )
-from .experts import MoEFeedForward
+from .experts import MoEFeedForward, record_routing
 from .flash import flash_attention
 from .generation import (
     SpeculativeStats,
+    accept_drafts,
     beam_search,
     generate,
     generate_paged,
@@ -83,20 +82,22 @@ from .models import (
     GPT,
     EncoderDecoderModel,
     EncoderOnlyModel,
+    GPTConfig,
     TransformerDecoder,
     mean_pool,
 )
-from .modern import RMSNorm, SwiGLU
+from .modern import GroupedQueryAttention, RMSNorm, SwiGLU, repeat_kv
 from .multihead import (
     MultiHeadAttention,
     RotaryMultiHeadAttention,
     WideMultiHeadAttention,
     merge_heads,
-    repeat_kv,
     split_heads,
 )
+from .paging import BlockPool, PagedKVCache, paged_memory_waste
 from .positions import (
     LearnedPositions,
+    Rotary,
     SinusoidalPositions,
     alibi_bias,
     alibi_slopes,
@@ -109,6 +110,7 @@ from .positions import (
     yarn_attention_factor,
 )
 from .prose import bound_phrase, count_phrase, more_or_less, percent_phrase
+from .quantize import QuantizedTensor, dequantize_kv, quantize_kv
 from .speech import CTCModel, Seq2SeqSpeechModel
 from .ssm import MambaBlock
 from .utils import (
@@ -127,6 +129,7 @@ from .whisper import Transcriber, Whisper, load_whisper_tiny_en
 __all__ = [
     "AdditiveAttention",
     "BertEncoder",
+    "Block",
     "BlockPool",
     "CTCModel",
     "DecoderBlock",
@@ -137,6 +140,8 @@ __all__ = [
     "FeedForward",
     "GGUFTokenizer",
     "GPT",
+    "GPTConfig",
+    "GroupedQueryAttention",
     "KVCache",
     "LatentKVCache",
     "LearnedPositions",
@@ -152,6 +157,7 @@ __all__ = [
     "QuantizedTensor",
     "RMSNorm",
     "RollingKVCache",
+    "Rotary",
     "RotaryMultiHeadAttention",
     "Seq2SeqSpeechModel",
     "SinusoidalPositions",
@@ -164,6 +170,7 @@ __all__ = [
     "Whisper",
     "WideMultiHeadAttention",
     "ablate_heads",
+    "accept_drafts",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
@@ -173,6 +180,7 @@ __all__ = [
     "bound_phrase",
     "causal_mask",
     "combine_masks",
+    "convert",
     "cost",
     "count_phrase",
     "ctc",
@@ -213,10 +221,13 @@ __all__ = [
     "on_gpu",
     "padding_mask",
     "paged_memory_waste",
+    "paging",
     "percent_phrase",
     "previous_token_score",
     "progress",
+    "quantize",
     "quantize_kv",
+    "record_routing",
     "repeat_kv",
     "rope_angles",
     "rope_scores",

@@ -234,16 +234,9 @@ def memory_efficient_attention(
     return out.to(q.dtype)
 
 
-def online_softmax_attention(
-    q,
-    k,
-    v,
-    mask=None,
-    *,
-    block_size: int = 1024,
-    query_block_size: int | None = None,
-    is_causal: bool = False,
-):
+def online_softmax_attention(q, k, v, mask=None, *, block_size: int = 1024,
+                             query_block_size: int | None = None,
+                             is_causal: bool = False):  # fmt: skip
     """The library's one online softmax: ``(out (..., Tq, dv), lse (..., Tq, 1))``,
     the attention output and the log-sum-exp ``L = log sum_j exp(s_j)`` of every
     query's scores (``+inf`` for a query that sees no key), both in float32 for fp16 /
@@ -288,12 +281,9 @@ def online_softmax_attention(
         m = l = acc = None  # noqa: E741
         for k_start in range(0, last_key, block_size):
             cols = min(block_size, n_k - k_start)
+            k_block = k_t[:, :, k_start : k_start + cols]  # (N, d, bk)
             scores = torch.baddbmm(
-                q_block.new_empty(()),
-                q_block,
-                k_t[:, :, k_start : k_start + cols],
-                beta=0.0,
-                alpha=scale,
+                q_block.new_empty(()), q_block, k_block, beta=0.0, alpha=scale
             )  # (N, bq, bk)
             if mask is not None:
                 block_mask = mask[
@@ -328,12 +318,8 @@ def online_softmax_attention(
             continue
         # L = m + log l; +inf for a query with no visible key (l = 0)
         lse[:, q_start : q_start + rows] = (m + l.log()).masked_fill_(l == 0, math.inf)
-        # 0 / tiny
-        torch.div(
-            acc,
-            l.clamp_min_(torch.finfo(compute_dtype).tiny),
-            out=out[:, q_start : q_start + rows],
-        )
+        tiny = torch.finfo(compute_dtype).tiny  # 0 / tiny for a query that sees none
+        torch.div(acc, l.clamp_min_(tiny), out=out[:, q_start : q_start + rows])
     # (..., Tq, dv), (..., Tq, 1)
     return out.reshape(*batch, n_q, dv), lse.reshape(*batch, n_q, 1)
 
@@ -382,21 +368,17 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"q, k and v must be on one device: q is on {q.device} but {name} is "
                 f"on {t.device}"
             )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same feature size d, got q {tuple(q.shape)} and k "
-            f"{tuple(k.shape)}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of tokens Tk, got k {tuple(k.shape)} "
-            f"and v {tuple(v.shape)}"
-        )
-    if _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2]) is None:
-        raise ValueError(
-            f"batch dims of q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-            "do not broadcast"
-        )
+    batch = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    broken = {  # each rule, and whether it is broken
+        "q and k must have the same feature size d": q.shape[-1] != k.shape[-1],
+        "k and v must have the same number of tokens Tk": k.shape[-2] != v.shape[-2],
+        "the batch dims of q, k and v must broadcast (these do not broadcast)": (
+            batch is None
+        ),
+    }
+    for rule in (rule for rule, wrong in broken.items() if wrong):
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        raise ValueError(f"{rule}, got {shapes}")
 
 
 def check_mask(
@@ -432,13 +414,15 @@ def _scores_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
     return (*_broadcast(q.shape[:-2], k.shape[:-2]), q.shape[-2], k.shape[-2])
 
 
-def _check_dropout(dropout_p) -> float:
+def _check_dropout(dropout_p, name: str = "dropout_p") -> float:
+    """``dropout_p`` as a float in ``[0, 1)``; otherwise a ``ValueError`` naming
+    ``name``."""
     if (
         isinstance(dropout_p, bool)
         or not isinstance(dropout_p, (int, float))
         or not 0 <= dropout_p < 1
     ):
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+        raise ValueError(f"{name} must be a number in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
 
 

@@ -28,8 +28,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .caches import BlockPool, KVCache, PagedKVCache, RollingKVCache
+from .caches import KVCache, RollingKVCache
+from .paging import BlockPool, PagedKVCache
 from .utils import (
     check_non_negative_int,
     check_positive_int,
@@ -90,7 +92,7 @@ def _check_top_p(top_p) -> float | None:
     return float(top_p)
 
 
-def _truncate(logits: torch.Tensor, top_k: int | None, top_p: float | None):
+def _keep_top(logits: torch.Tensor, top_k: int | None, top_p: float | None):
     """:func:`truncate_logits` on arguments already checked (the decoding loops call
     this once a step)."""
     if top_k is not None and top_k < logits.shape[-1]:
@@ -126,14 +128,14 @@ def truncate_logits(logits: torch.Tensor, *, top_k=None, top_p=None) -> torch.Te
     The most probable token is always kept. With both, top-k is applied first, and
     top-p counts probability among the ``k`` kept tokens.
     """
-    return _truncate(logits, _check_top_k(top_k), _check_top_p(top_p))
+    return _keep_top(logits, _check_top_k(top_k), _check_top_p(top_p))
 
 
 def _probabilities(logits, temperature: float, top_k, top_p) -> torch.Tensor:
     """:func:`sampling_probabilities` on arguments already checked (temperature > 0)."""
     logits = logits.float() / temperature
     if top_k is not None or top_p is not None:
-        logits = _truncate(logits, top_k, top_p)
+        logits = _keep_top(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
 
 
@@ -153,12 +155,61 @@ def sampling_probabilities(
     return _probabilities(logits, temperature, _check_top_k(top_k), _check_top_p(top_p))
 
 
-def _pick(logits, temperature: float, generator, top_k, top_p) -> torch.Tensor:
-    """:func:`next_token` on arguments already checked."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probabilities = _probabilities(logits, temperature, top_k, top_p)
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+@dataclass(frozen=True)
+class DecodingRule:
+    """How every decoding loop turns a step's logits into tokens, checked once: the
+    suppressed tokens (``suppress`` always, ``suppress_at_start`` at step 0), then
+    greedy at ``temperature`` 0 or a draw from ``generator`` of
+    :func:`sampling_probabilities` (tempered, truncated to ``top_k`` / ``top_p``).
+    :meth:`pick` is the one step of :func:`generate`, :func:`generate_paged` and
+    :func:`speculative_generate`; :func:`beam_search` shares its suppression."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+    suppress: tuple[int, ...] = ()
+    suppress_at_start: tuple[int, ...] = ()
+
+    def banned(self, step: int) -> set[int]:
+        """The tokens suppressed at ``step``."""
+        at_start = self.suppress_at_start if step == 0 else ()
+        return set(self.suppress) | set(at_start)
+
+    def suppressed(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """``logits (..., vocab)`` with the suppressed tokens at ``-inf``, in place."""
+        if self.suppress:
+            logits[..., list(self.suppress)] = float("-inf")
+        if step == 0 and self.suppress_at_start:
+            logits[..., list(self.suppress_at_start)] = float("-inf")
+        return logits
+
+    def pick(self, logits: torch.Tensor, step: int = 0):
+        """``logits (..., vocab)`` -> ``(tokens (...), probabilities (..., vocab))``:
+        the argmax (probabilities ``None``) at temperature 0, else a draw from the
+        distribution it returns."""
+        logits = self.suppressed(logits, step)
+        if self.temperature == 0:
+            return logits.argmax(dim=-1), None
+        probabilities = _probabilities(logits, self.temperature, self.top_k, self.top_p)
+        flat = probabilities.reshape(-1, probabilities.shape[-1])  # (N, vocab)
+        tokens = torch.multinomial(flat, 1, generator=self.generator)  # (N, 1)
+        return tokens.reshape(probabilities.shape[:-1]), probabilities
+
+
+def decoding_rule(
+    temperature=0.0, generator=None, *, top_k=None, top_p=None, device=None, **tokens
+) -> DecodingRule:
+    """A :class:`DecodingRule` from checked arguments (``tokens``: ``suppress``,
+    ``suppress_at_start``, already checked as ids); the generator must be on
+    ``device``'s type."""
+    temperature = _check_temperature(temperature)
+    if temperature > 0 and device is not None:
+        _check_generator(generator, device)
+    return DecodingRule(
+        temperature, _check_top_k(top_k), _check_top_p(top_p), generator,
+        **{name: tuple(ids) for name, ids in tokens.items()},
+    )  # fmt: skip
 
 
 def next_token(
@@ -176,11 +227,10 @@ def next_token(
 
     ``top_k`` and ``top_p`` change nothing at temperature 0: the argmax is in every kept
     set."""
-    temperature = _check_temperature(temperature)
-    top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
-    if temperature > 0:
-        _check_generator(generator, logits.device)
-    return _pick(logits, temperature, generator, top_k, top_p)
+    rule = decoding_rule(
+        temperature, generator, top_k=top_k, top_p=top_p, device=logits.device
+    )
+    return rule.pick(logits)[0]
 
 
 def _check_model(model, caller: str = "generate") -> None:
@@ -226,22 +276,8 @@ class _Decoding:
 
     prompt: torch.Tensor  # (B, T0) on the model's device
     max_new_tokens: int
-    suppress: list[int]
-    suppress_at_start: list[int]
+    rule: DecodingRule
     end_token: int | None
-
-    def banned(self, step: int) -> set[int]:
-        """The tokens suppressed at ``step``."""
-        at_start = self.suppress_at_start if step == 0 else []
-        return set(self.suppress) | set(at_start)
-
-    def suppressed(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        """``logits (B, vocab)`` with the suppressed tokens at ``-inf``, in place."""
-        if self.suppress:
-            logits[:, self.suppress] = float("-inf")
-        if step == 0 and self.suppress_at_start:
-            logits[:, self.suppress_at_start] = float("-inf")
-        return logits
 
 
 def _decoding(
@@ -254,14 +290,17 @@ def _decoding(
     end_token=None,
     suppress=(),
     suppress_at_start=(),
+    rule=None,
 ) -> _Decoding:
     """The decoding core's checks, shared by :func:`generate`, :func:`beam_search` and
     :func:`speculative_generate`: the model's interface, ``prompt`` as a ``(B, T0)``
     LongTensor on the model's device (``(T0,)`` and ``(1, T0)`` are one sequence), its
     ids range-checked once, the length, and the suppressed and end tokens (with a clear
-    error when nothing is left to choose)."""
+    error when nothing is left to choose), and ``rule``: the keywords of
+    :func:`decoding_rule` (temperature, generator, top-k, top-p)."""
     _check_model(model, caller)
     max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
+    rule = dict(rule or {})
     prompt = torch.as_tensor(prompt)
     if prompt.dim() == 1:
         prompt = prompt[None]
@@ -294,7 +333,10 @@ def _decoding(
         )
     if end_token is not None:
         end_token = _check_token_list("end_token", [end_token], vocab_size)[0]
-    return _Decoding(prompt, max_new_tokens, suppress, suppress_at_start, end_token)
+    rule = decoding_rule(
+        **rule, suppress=suppress, suppress_at_start=suppress_at_start, device=device
+    )
+    return _Decoding(prompt, max_new_tokens, rule, end_token)
 
 
 def generate(
@@ -336,22 +378,14 @@ def generate(
     (then once a step, to stop early).
     """
     run = _decoding(
-        model,
-        prompt,
-        max_new_tokens,
-        caller="generate",
-        end_token=end_token,
-        suppress=suppress,
-        suppress_at_start=suppress_at_start,
-    )
-    temperature = _check_temperature(temperature)
-    top_k, top_p = _check_top_k(top_k), _check_top_p(top_p)
+        model, prompt, max_new_tokens, caller="generate", end_token=end_token,
+        suppress=suppress, suppress_at_start=suppress_at_start,
+        rule=dict(temperature=temperature, generator=generator, top_k=top_k,
+                  top_p=top_p),
+    )  # fmt: skip
     prompt, max_new_tokens, end_token = run.prompt, run.max_new_tokens, run.end_token
-    if temperature > 0:
-        _check_generator(generator, prompt.device)
     decode_step = _decode_step(model)
     B, T0 = prompt.shape
-
     with eval_mode(model):
         # computed once (an encoder's output)
         context = model.decoding_context(B, **inputs)
@@ -361,26 +395,18 @@ def generate(
         tokens[:, :T0] = prompt
         finished = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # (B,)
         end = T0
-        if max_new_tokens:
-            # (B, vocab): the prompt, once
-            logits = decode_step(prompt, context, caches)[:, -1]
-            for step in range(max_new_tokens):
-                logits = run.suppressed(logits, step)
-                new = _pick(logits, temperature, generator, top_k, top_p)  # (B,)
-                end = T0 + step + 1
-                if end_token is not None:
-                    new = new.masked_fill(finished, end_token)
-                    finished |= new == end_token
-                tokens[:, end - 1] = new
-                if end == T0 + max_new_tokens or (
-                    end_token is not None and bool(finished.all())
-                ):
-                    break
-                logits = decode_step(
-                    tokens[:, end - 1 : end] if use_cache else tokens[:, :end],
-                    context,
-                    caches,
-                )[:, -1]  # (B, vocab)
+        for step in range(max_new_tokens):
+            # the prompt first, then the newest token (or, uncached, all so far)
+            fed = tokens[:, end - 1 : end] if step and use_cache else tokens[:, :end]
+            logits = decode_step(fed, context, caches)[:, -1]  # (B, vocab)
+            new, _ = run.rule.pick(logits, step)  # (B,)
+            if end_token is not None:
+                new = new.masked_fill(finished, end_token)
+                finished |= new == end_token
+            tokens[:, end] = new
+            end += 1
+            if end_token is not None and bool(finished.all()):
+                break
         return tokens[:, :end]
 
 
@@ -389,20 +415,19 @@ def generate_paged(
 ) -> list[torch.Tensor]:
     """Greedy continuation of each of ``prompts`` (token ids ``(T0_i,)``, of any
     lengths) by ``max_new_tokens`` tokens, every sequence's keys and values paged into
-    one shared :class:`~attnbook.caches.BlockPool` (vLLM's memory); returns one ``(T0_i
+    one shared :class:`~attnbook.paging.BlockPool` (vLLM's memory); returns one ``(T0_i
     + new,)`` tensor per prompt, the tokens of ``generate(model, prompt,
     max_new_tokens)``.
 
-    Each sequence has a :class:`~attnbook.caches.PagedKVCache` (its block table) and
+    Each sequence has a :class:`~attnbook.paging.PagedKVCache` (its block table) and
     allocates blocks of ``block_size`` tokens as it grows; ``pool`` defaults to just
     the blocks they all need, ``ceil((T0_i + new) / block_size)`` each. Each step runs
     the sequences in turn, one forward each (prompt first, then one token at a time),
-    attention reading the sequence's blocks gathered into contiguous keys: our models
-    give every row of a batch the same positions, so sequences at different lengths
-    cannot share a forward (vLLM's kernels can, reading each row's block table inside
-    attention). The pool is shared; the compute is not batched. At the end every
-    sequence frees its blocks. For decoder-only models (``make_caches(batch_size)``
-    giving one KV cache per layer, as the GPT's)."""
+    attention reading the sequence's blocks gathered into contiguous keys: the pool is
+    shared, the compute is not batched (vLLM's kernels batch it, reading each row's
+    block table inside attention). At the end, or on an error, every sequence frees its
+    blocks. For decoder-only models (``make_caches(batch_size)`` giving one KV cache
+    per layer, as the GPT's)."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("generate_paged needs at least one prompt")
@@ -413,6 +438,30 @@ def generate_paged(
         for prompt in prompts
     ]
     max_new_tokens = runs[0].max_new_tokens
+    if pool is None:
+        lengths = [run.prompt.shape[1] + max_new_tokens for run in runs]
+        pool = _pool_for(model, lengths, block_size)
+    decode_step = _decode_step(model)
+    sequences = [PagedKVCache(pool) for _ in runs]
+    tokens = [run.prompt for run in runs]  # (1, T0_i + step) each
+    try:
+        with eval_mode(model):
+            for step in range(max_new_tokens):
+                for i, (run, sequence) in enumerate(zip(runs, sequences, strict=True)):
+                    fed = tokens[i][:, sequence.length :]  # the prompt, then the newest
+                    logits = decode_step(fed, None, sequence.layers)[:, -1]  # (1, V)
+                    new, _ = run.rule.pick(logits, step)  # (1,)
+                    tokens[i] = torch.cat([tokens[i], new[:, None]], dim=1)
+    finally:  # the caller's pool gets its blocks back, even after an error
+        for sequence in sequences:
+            sequence.free()
+    return [sequence_tokens[0] for sequence_tokens in tokens]
+
+
+def _pool_for(model, lengths: list[int], block_size: int) -> BlockPool:
+    """Just the blocks of ``block_size`` tokens that sequences of ``lengths`` need in
+    ``model``'s layers, sized from the model's own caches."""
+    block_size = check_positive_int("block_size", block_size)
     try:  # a GPT's caches, read for their sizes
         caches = model.make_caches(1)
     except (AttributeError, TypeError):  # none, or an encoder-decoder's
@@ -425,37 +474,9 @@ def generate_paged(
             f"gives one KV cache per layer, got {type(model).__name__}"
         )
     _, num_kv_heads, _, head_dim = caches[0].keys.shape
-    if pool is None:
-        block_size = check_positive_int("block_size", block_size)
-        needed = sum(
-            -(-(run.prompt.shape[1] + max_new_tokens) // block_size) for run in runs
-        )
-        pool = BlockPool(
-            needed,
-            block_size,
-            len(caches),
-            num_kv_heads,
-            head_dim,
-            device=caches[0].keys.device,
-            dtype=caches[0].keys.dtype,
-        )
-    decode_step = _decode_step(model)
-    sequences = [PagedKVCache(pool) for _ in runs]
-    tokens = [run.prompt for run in runs]  # (1, T0_i + step) each
-    try:
-        with eval_mode(model):
-            for _ in range(max_new_tokens):
-                for i, sequence in enumerate(sequences):
-                    # the prompt, then the newest
-                    fed = tokens[i][:, sequence.length :]
-                    # (1, vocab)
-                    logits = decode_step(fed, None, sequence.layers)[:, -1]
-                    new = logits.argmax(-1, keepdim=True)  # (1, 1)
-                    tokens[i] = torch.cat([tokens[i], new], 1)
-    finally:  # the caller's pool gets its blocks back, even after an error
-        for sequence in sequences:
-            sequence.free()
-    return [sequence_tokens[0] for sequence_tokens in tokens]
+    blocks = sum(-(-length // block_size) for length in lengths)
+    sizes = dict(device=caches[0].keys.device, dtype=caches[0].keys.dtype)
+    return BlockPool(blocks, block_size, len(caches), num_kv_heads, head_dim, **sizes)
 
 
 def _decode_step(model):
@@ -502,6 +523,77 @@ def ngram_blocked(tokens, n: int) -> list[int]:
             if tokens[i : i + n - 1] == tail
         }
     )
+
+
+class _Beams:
+    """Beam search's bookkeeping: the live prefixes and their total log-probabilities,
+    the finished hypotheses, and the rule that ranks them (``log_prob / n **
+    length_penalty``)."""
+
+    def __init__(self, beam_size, length_penalty, max_new_tokens, end_token, device):
+        self.beam_size, self.length_penalty = beam_size, length_penalty
+        self.max_new_tokens, self.end_token = max_new_tokens, end_token
+        self.scores = torch.full((beam_size,), float("-inf"), device=device)
+        self.scores[0] = 0.0  # the beams start identical: only the first is live
+        self.prefixes = [[] for _ in range(beam_size)]  # each live beam's new tokens
+        self.finished = []  # (rank, score, new tokens) of finished hypotheses
+
+    def rank(self, score: float, length: int) -> float:
+        return score / length**self.length_penalty
+
+    def extend(self, log_probs: torch.Tensor, step: int):
+        """Keep the ``beam_size`` best extensions of the live prefixes by total
+        log-probability, ``log_probs (beam, V)`` this step's; those that end finish,
+        taking their slot. Returns ``(rows, tokens)``: the row each surviving beam
+        extends and its token, ``(beam,)`` each; ``None`` when the search is over."""
+        vocab_size = log_probs.shape[-1]
+        candidates = (self.scores[:, None] + log_probs).flatten()  # (beam * V,)
+        top = candidates.topk(min(self.beam_size, candidates.numel()))
+        rows, tokens, scores = [], [], []
+        for score, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if score == float("-inf"):
+                break
+            row, token = divmod(index, vocab_size)
+            if token == self.end_token:
+                hypothesis = self.prefixes[row] + [token]
+                self.finished.append((self.rank(score, step + 1), score, hypothesis))
+            else:
+                rows, tokens, scores = rows + [row], tokens + [token], scores + [score]
+        if not rows:
+            return None
+        extended = zip(rows, tokens, strict=True)
+        self.prefixes = [self.prefixes[row] + [token] for row, token in extended]
+        if step == self.max_new_tokens - 1:  # out of tokens: the live ones compete too
+            self.finished += [
+                (self.rank(score, step + 1), score, prefix)
+                for score, prefix in zip(scores, self.prefixes, strict=True)
+            ]
+            return None
+        best_finished = max((item[0] for item in self.finished), default=float("-inf"))
+        if best_finished >= self.rank(scores[0], self.max_new_tokens):
+            return None  # no live prefix can overtake the best finished hypothesis
+        dead = self.beam_size - len(rows)  # fewer candidates than beams (tiny vocab)
+        rows, tokens = rows + [rows[0]] * dead, tokens + [tokens[0]] * dead
+        self.prefixes += [self.prefixes[0]] * dead
+        device = self.scores.device
+        self.scores = torch.tensor(scores + [float("-inf")] * dead, device=device)
+        return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+
+    def best(self):
+        """``(score, new tokens)`` of the best-ranked finished hypothesis."""
+        _, score, tokens = max(self.finished, key=lambda item: item[0])
+        return score, tokens
+
+
+def _ban_ngrams(logits, prefixes, prompt_tokens, n: int, rule, step: int) -> None:
+    """Set to ``-inf``, in place, each beam's tokens that would repeat an ``n``-gram of
+    its sequence (:func:`ngram_blocked`), unless that would ban every token together
+    with the suppressed ones (then the n-gram rule yields)."""
+    vocab_size = logits.shape[-1]
+    for row, prefix in enumerate(prefixes):
+        banned = ngram_blocked(prompt_tokens + prefix, n)
+        if len(rule.banned(step).union(banned)) < vocab_size:
+            logits[row, banned] = float("-inf")
 
 
 def beam_search(
@@ -552,15 +644,9 @@ def beam_search(
     ``transformers``' ``no_repeat_ngram_size``).
     """
     run = _decoding(
-        model,
-        prompt,
-        max_new_tokens,
-        caller="beam_search",
-        one_sequence=True,
-        end_token=end_token,
-        suppress=suppress,
-        suppress_at_start=suppress_at_start,
-    )
+        model, prompt, max_new_tokens, caller="beam_search", one_sequence=True,
+        end_token=end_token, suppress=suppress, suppress_at_start=suppress_at_start,
+    )  # fmt: skip
     beam_size = check_positive_int("beam_size", beam_size)
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     if not isinstance(length_penalty, (int, float)) or not 0 <= length_penalty <= 10:
@@ -568,90 +654,36 @@ def beam_search(
             f"length_penalty must be a number in [0, 10], got {length_penalty!r}"
         )
     no_repeat_ngram = check_non_negative_int("no_repeat_ngram", no_repeat_ngram)
-    end_token, vocab_size = run.end_token, model.vocab_size
-    decode_step = _decode_step(model)
-    prompt_tokens = run.prompt[0].tolist()
-
-    def rank(score: float, length: int) -> float:
-        return score / length**length_penalty
-
-    device = run.prompt.device
+    decode_step, prompt_tokens = _decode_step(model), run.prompt[0].tolist()
+    beams = _Beams(
+        beam_size, length_penalty, max_new_tokens, run.end_token, run.prompt.device
+    )
     with eval_mode(model):
         context = model.decoding_context(1, **inputs)  # (1, S, d): the encoder, once
         caches = model.decoding_caches(1, context)
         logits = decode_step(run.prompt, context, caches)[:, -1]  # (1, V)
         for cache in _kv_caches(caches):  # one row per beam
             cache.repeat(beam_size)
-        # (beam, S, d), or a tuple of such, or None
-        context = _widen(context, beam_size)
+        context = _widen(context, beam_size)  # (beam, S, d), or a tuple, or None
         logits = logits.expand(beam_size, -1)  # (beam, V)
-        scores = torch.full((beam_size,), float("-inf"), device=device)  # (beam,)
-        scores[0] = 0.0  # the beams start identical: only the first is live
-        prefixes = [[] for _ in range(beam_size)]
-        finished = []  # (rank, score, new tokens with end_token) of finished hypotheses
         for step in range(max_new_tokens):
-            logits = run.suppressed(logits.float().clone(), step)  # (beam, V)
+            logits = run.rule.suppressed(logits.float().clone(), step)  # (beam, V)
             if no_repeat_ngram:
-                for row, prefix in enumerate(prefixes):
-                    banned = ngram_blocked(prompt_tokens + prefix, no_repeat_ngram)
-                    # never every token: the n-gram rule yields to suppression
-                    if len(run.banned(step).union(banned)) < vocab_size:
-                        logits[row, banned] = float("-inf")
-            # (beam * V,)
-            candidates = (scores[:, None] + torch.log_softmax(logits, dim=-1)).flatten()
-            # the beam_size best extensions; those that end finish, taking their slot
-            top_scores, top_indices = candidates.topk(
-                min(beam_size, candidates.numel())
-            )
-            rows, tokens, new_scores = [], [], []
-            for score, index in zip(
-                top_scores.tolist(), top_indices.tolist(), strict=True
-            ):
-                if score == float("-inf"):
-                    break
-                row, token = divmod(index, vocab_size)
-                if token == end_token:
-                    finished.append(
-                        (rank(score, step + 1), score, prefixes[row] + [token])
-                    )
-                else:
-                    rows.append(row)
-                    tokens.append(token)
-                    new_scores.append(score)
-            if not rows:
+                _ban_ngrams(
+                    logits, beams.prefixes, prompt_tokens, no_repeat_ngram, run.rule,
+                    step,
+                )  # fmt: skip
+            chosen = beams.extend(torch.log_softmax(logits, dim=-1), step)
+            if chosen is None:
                 break
-            prefixes = [
-                prefixes[row] + [token] for row, token in zip(rows, tokens, strict=True)
-            ]
-            best_finished = max((item[0] for item in finished), default=float("-inf"))
-            # out of tokens: the live prefixes compete as they are
-            if step == max_new_tokens - 1:
-                finished += [
-                    (rank(score, step + 1), score, prefix)
-                    for score, prefix in zip(new_scores, prefixes, strict=True)
-                ]
-                break
-            if best_finished >= rank(new_scores[0], max_new_tokens):
-                break  # no live prefix can overtake the best finished hypothesis
-            # fewer candidates than beams (a tiny vocabulary): dead rows
-            while len(rows) < beam_size:
-                rows.append(rows[0])
-                tokens.append(tokens[0])
-                new_scores.append(float("-inf"))
-                prefixes.append(prefixes[0])
-            scores = torch.tensor(new_scores, device=device)  # (beam,)
-            # (beam,) the row each surviving beam extends
-            order = torch.tensor(rows, device=device)
-            for cache in _kv_caches(caches):
-                cache.reorder(
-                    order
-                )  # each beam takes over its prefix's keys and values
-            step_tokens = torch.tensor(tokens, device=device)[:, None]  # (beam, 1)
-            logits = decode_step(step_tokens, context, caches)[:, -1]  # (beam, V)
-    _, best_score, best = max(finished, key=lambda item: item[0])
+            rows, tokens = chosen  # (beam,) each
+            for cache in _kv_caches(caches):  # each beam takes over its prefix's
+                cache.reorder(rows)
+            logits = decode_step(tokens[:, None], context, caches)[:, -1]  # (beam, V)
+    score, best = beams.best()
     # (1, T0 + new)
     tokens = torch.cat([run.prompt[0], run.prompt.new_tensor(best)])[None]
-    return tokens, float(best_score)
+    return tokens, float(score)
 
 
 @dataclass
@@ -668,6 +700,16 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0
+
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """Count one round: ``drafted`` tokens proposed (a draft call each), one target
+        call, ``accepted`` of the drafts kept (the first of the others, if any,
+        rejected)."""
+        self.target_calls += 1
+        self.draft_calls += drafted
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rejected += accepted < drafted
 
     @property
     def acceptance_rate(self) -> float:
@@ -692,6 +734,33 @@ class SpeculativeStats:
 def _leading_true(flags: torch.Tensor) -> int:
     """How many of the 1-D booleans ``flags`` are True before the first False."""
     return int(flags.long().cumprod(dim=0).sum())
+
+
+def accept_drafts(drafted, p, q=None, uniform=None) -> tuple[int, torch.Tensor]:
+    """Speculative decoding's acceptance rule, a pure function: which of the
+    ``drafted (k,)`` tokens the target keeps, and what it writes next.
+
+    Greedy (``q`` is ``None``): ``p (k + 1, V)`` are the target's logits at the
+    drafts' positions and the one after; a draft is kept while it is the target's
+    argmax. Sampling: ``p (k + 1, V)`` and ``q (k, V)`` are the target's and the
+    draft's probabilities, ``uniform (k,)`` draws in ``[0, 1)``; draft ``x`` is kept
+    while ``uniform * q(x) < p(x)`` (probability ``min(1, p(x) / q(x))``, Leviathan et
+    al. 2023). Returns ``(accepted, weights (V,))``: the drafts kept, and the
+    distribution of the next token (unnormalised): after a rejection ``max(0, p -
+    q)`` at that position (``p`` where that is all zero), after ``k`` acceptances ``p``
+    at the last position; greedy, the target's argmax there, one-hot."""
+    k = drafted.shape[0]
+    if q is None:
+        choice = p.argmax(dim=-1)  # (k + 1,) the target's greedy token at each
+        accepted = _leading_true(choice[:k] == drafted)
+        return accepted, F.one_hot(choice[accepted], p.shape[-1]).float()
+    p_drafted = p[:k].gather(1, drafted[:, None])[:, 0]  # (k,) p(x) of each drafted x
+    q_drafted = q.gather(1, drafted[:, None])[:, 0]  # (k,) q(x) > 0: x was drawn from q
+    accepted = _leading_true(uniform * q_drafted < p_drafted)
+    if accepted == k:  # a bonus token from the target after the last draft
+        return k, p[k]
+    residual = (p[accepted] - q[accepted]).clamp_min(0)  # (V,)
+    return accepted, torch.where(residual.sum() > 0, residual, p[accepted])
 
 
 def speculative_generate(
@@ -730,109 +799,49 @@ def speculative_generate(
     gradients; their training modes are restored afterwards.
     """
     run = _decoding(
-        target, prompt, max_new_tokens, caller="speculative_generate", one_sequence=True
-    )
-    _check_model(draft, "speculative_generate")
-    if target.vocab_size != draft.vocab_size:
-        raise ValueError(
-            "target and draft must share one vocabulary: "
-            f"target.vocab_size={target.vocab_size}, "
-            f"draft.vocab_size={draft.vocab_size}"
-        )
-    num_draft = check_positive_int("num_draft", num_draft)
-    temperature = _check_temperature(temperature)
-    prompt, max_new_tokens, device = run.prompt, run.max_new_tokens, run.prompt.device
-    draft_device = next(draft.parameters()).device
-    if draft_device != device:
-        raise ValueError(
-            f"target and draft must be on one device, got {device} and {draft_device}"
-        )
-    if temperature > 0:
-        _check_generator(generator, device)
+        target, prompt, max_new_tokens, caller="speculative_generate",
+        one_sequence=True, rule=dict(temperature=temperature, generator=generator),
+    )  # fmt: skip
+    num_draft = _check_draft(target, draft, num_draft, run)
+    prompt, max_new_tokens, rule = run.prompt, run.max_new_tokens, run.rule
     T0 = prompt.shape[1]
-    _check_length(draft, T0, max_new_tokens, whose="the draft's ")
-
     stats = SpeculativeStats(new_tokens=max_new_tokens)
     target_step, draft_step = _decode_step(target), _decode_step(draft)
     with eval_mode(target), eval_mode(draft):
-        target_context, draft_context = (
-            target.decoding_context(1),
-            draft.decoding_context(1),
-        )
+        contexts = [model.decoding_context(1) for model in (target, draft)]
         target_caches, draft_caches = (
-            [c for c in _kv_caches(model.decoding_caches(1, context)) if not c.static]
-            for model, context in ((target, target_context), (draft, draft_context))
+            _truncatable_caches(model.decoding_caches(1, context))
+            for model, context in zip((target, draft), contexts, strict=True)
         )
-        stuck = [c for c in target_caches + draft_caches if not c.can_truncate]
-        if stuck:
-            raise ValueError(
-                "speculative_generate rolls rejected draft tokens back out of the KV "
-                f"caches, which a {type(stuck[0]).__name__} cannot do: use models "
-                "whose caches can truncate (KVCache, LatentKVCache)"
-            )
         # (1, T0 + new): final tokens, then this round's drafts
         tokens = prompt.new_empty(1, T0 + max_new_tokens)
         tokens[:, :T0] = prompt
         end = T0  # tokens[:, :end] are final
         while end < T0 + max_new_tokens:
-            # a round writes at most k + 1 tokens
-            k = min(num_draft, T0 + max_new_tokens - end - 1)
+            k = min(num_draft, T0 + max_new_tokens - end - 1)  # a round writes <= k + 1
             # 1. the draft proposes k tokens, tokens[end : end + k], one call each
-            # q of each drafted token's position, (vocab,) each
-            draft_probabilities = []
+            q = []  # greedy: nothing; sampling: the draft's q at each, (vocab,)
             for i in range(k):
-                # what its cache lacks (one token after the first)
-                fed = tokens[:, draft_caches[0].length : end + i]
-                # (vocab,)
-                logits = draft_step(fed, draft_context, draft_caches)[0, -1]
-                stats.draft_calls += 1
-                if temperature == 0:
-                    tokens[0, end + i] = logits.argmax()
-                else:
-                    q = _probabilities(logits, temperature, None, None)  # (vocab,)
-                    tokens[0, end + i] = torch.multinomial(q, 1, generator=generator)[0]
-                    draft_probabilities.append(q)
-            # 2. the target scores them in one call: k + 1 rows, for positions end - 1
-            #    .. end + k - 1
+                fed = tokens[:, draft_caches[0].length : end + i]  # what it lacks
+                logits = draft_step(fed, contexts[1], draft_caches)[0, -1]  # (vocab,)
+                tokens[0, end + i], probabilities = rule.pick(logits)
+                q += [] if probabilities is None else [probabilities]
+            # 2. the target scores them in one call: positions end - 1 .. end + k - 1
             fed = tokens[:, target_caches[0].length : end + k]
-            # (k + 1, vocab)
-            logits = target_step(fed, target_context, target_caches)[0, -(k + 1) :]
-            stats.target_calls += 1
-            drafted = tokens[0, end : end + k]  # (k,)
+            logits = target_step(fed, contexts[0], target_caches)[0, -(k + 1) :]
             # 3. keep the agreed prefix, then one token of the target's own
-            if temperature == 0:
-                # (k + 1,) the target's greedy token at each position
-                choice = logits.argmax(dim=-1)
-                accepted = _leading_true(choice[:k] == drafted)
-                new = choice[accepted]
+            drafted = tokens[0, end : end + k]  # (k,)
+            if rule.temperature == 0:
+                accepted, weights = accept_drafts(drafted, logits)
+                new = weights.argmax()
             else:
-                p = _probabilities(logits, temperature, None, None)  # (k + 1, vocab)
-                if k:
-                    q = torch.stack(draft_probabilities)  # (k, vocab)
-                    # (k,) p(x) of each drafted x
-                    p_drafted = p[:k].gather(1, drafted[:, None])[:, 0]
-                    # (k,) q(x) > 0: x was drawn from q
-                    q_drafted = q.gather(1, drafted[:, None])[:, 0]
-                    uniform = torch.rand(k, generator=generator, device=device)  # (k,)
-                    # each with prob. min(1, p/q)
-                    accepted = _leading_true(uniform * q_drafted < p_drafted)
-                else:
-                    accepted = 0
-                # the first rejected position: draw from max(0, p - q), renormalised
-                if accepted < k:
-                    residual = (p[accepted] - q[accepted]).clamp_min(0)  # (vocab,)
-                    # p = q: never rejected
-                    weights = torch.where(residual.sum() > 0, residual, p[accepted])
-                # all accepted: a bonus token from the target's distribution after the
-                # last draft
-                else:
-                    weights = p[k]
-                # multinomial renormalises
+                p = _probabilities(logits, rule.temperature, None, None)  # (k + 1, V)
+                uniform = torch.rand(k, generator=generator, device=prompt.device)
+                q = torch.stack(q) if k else p[:0]  # (k, V)
+                accepted, weights = accept_drafts(drafted, p, q, uniform)
                 new = torch.multinomial(weights, 1, generator=generator)[0]
             tokens[0, end + accepted] = new
-            stats.drafted += k
-            stats.accepted += accepted
-            stats.rejected += accepted < k
+            stats.count_round(k, accepted)
             end += accepted + 1
             # 4. roll the rejected drafts out of both caches: they hold every final
             #    token but the last
@@ -843,9 +852,48 @@ def speculative_generate(
         return tokens, stats
 
 
+def _check_draft(target, draft, num_draft, run: _Decoding) -> int:
+    """The draft's checks: the decoding interface, the target's vocabulary and device,
+    room for the tokens; ``num_draft`` a positive int (returned)."""
+    _check_model(draft, "speculative_generate")
+    if target.vocab_size != draft.vocab_size:
+        raise ValueError(
+            "target and draft must share one vocabulary: "
+            f"target.vocab_size={target.vocab_size}, "
+            f"draft.vocab_size={draft.vocab_size}"
+        )
+    num_draft = check_positive_int("num_draft", num_draft)
+    draft_device = next(draft.parameters()).device
+    if draft_device != run.prompt.device:
+        raise ValueError(
+            f"target and draft must be on one device, got {run.prompt.device} and "
+            f"{draft_device}"
+        )
+    _check_length(draft, run.prompt.shape[1], run.max_new_tokens, "the draft's ")
+    return num_draft
+
+
+def _truncatable_caches(caches) -> list:
+    """A model's self-attention caches (not the static ones), each able to roll back
+    rejected drafts (:meth:`~attnbook.caches.Cache.truncate`); one that cannot raises,
+    naming it."""
+    caches = [cache for cache in _kv_caches(caches) if not cache.static]
+    stuck = [cache for cache in caches if not cache.can_truncate]
+    if stuck:
+        raise ValueError(
+            "speculative_generate rolls rejected draft tokens back out of the KV "
+            f"caches, which a {type(stuck[0]).__name__} cannot do: use models "
+            "whose caches can truncate (KVCache, LatentKVCache)"
+        )
+    return caches
+
+
 __all__ = [
+    "DecodingRule",
     "SpeculativeStats",
+    "accept_drafts",
     "beam_search",
+    "decoding_rule",
     "generate",
     "generate_paged",
     "next_token",

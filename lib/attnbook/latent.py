@@ -31,13 +31,13 @@ import math
 import torch
 from torch import nn
 
-from .attention import _attention, check_mask
+from .attention import _attention, _check_dropout, check_mask
 from .caches import LatentKVCache
 from .cost import LATENT_MODES
 from .masks import attention_mask_for_heads
 from .modern import RMSNorm
-from .multihead import RotaryMultiHeadAttention, merge_heads
-from .positions import apply_rope
+from .multihead import merge_heads
+from .positions import Rotary
 from .utils import check_positive_int
 
 __all__ = ["MultiHeadLatentAttention"]
@@ -62,29 +62,15 @@ class MultiHeadLatentAttention(nn.Module):
     :class:`~attnbook.multihead.MultiHeadAttention`. The softmax scale is
     ``softmax_scale = (nope + rope)^-1/2`` in both modes (DeepSeek-V3's YaRN would
     multiply it by ``mscale^2``). ``mode`` (``"expanded"`` or ``"absorbed"``) may be
-    changed at any time; :meth:`set_rope_scaling` as in
-    :class:`~attnbook.multihead.RotaryMultiHeadAttention`.
+    changed at any time; ``rotary`` (a :class:`~attnbook.positions.Rotary`) rotates the
+    RoPE parts, scaled by its ``set_scaling``.
     """
 
-    rope_scale, rope_method, rope_original_length = 1.0, "linear", None
-    set_rope_scaling = RotaryMultiHeadAttention.set_rope_scaling
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        bias: bool = False,
-        dropout: float = 0.0,
-        *,
-        kv_lora_rank: int,
-        qk_rope_head_dim: int,
-        qk_nope_head_dim: int,
-        v_head_dim: int,
-        q_lora_rank: int | None = None,
-        rope_base: float = 10000.0,
-        norm_eps: float = 1e-6,
-        mode: str = "expanded",
-    ):
+    def __init__(self, d_model: int, num_heads: int, bias: bool = False,
+                 dropout: float = 0.0, *, kv_lora_rank: int, qk_rope_head_dim: int,
+                 qk_nope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None,
+                 rope_base: float = 10000.0, norm_eps: float = 1e-6,
+                 mode: str = "expanded"):  # fmt: skip
         super().__init__()
         d_model = check_positive_int("d_model", d_model)
         h = self.num_heads = check_positive_int("num_heads", num_heads)
@@ -104,20 +90,8 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(
                 f"qk_rope_head_dim must be even (RoPE rotates pairs), got {rope}"
             )
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, (int, float))
-            or not 0 <= dropout < 1
-        ):
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
-        if (
-            isinstance(rope_base, bool)
-            or not isinstance(rope_base, (int, float))
-            or not 1 < rope_base < float("inf")
-        ):
-            raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
-        self.d_model, self.dropout = d_model, float(dropout)
-        self.rope_base = float(rope_base)
+        self.d_model, self.dropout = d_model, _check_dropout(dropout, "dropout")
+        self.rotary = Rotary(rope_base)
         self.kv_lora_rank, self.q_lora_rank = r, q_lora_rank
         self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim = rope, nope, v
         self.softmax_scale = (nope + rope) ** -0.5
@@ -182,17 +156,6 @@ class MultiHeadLatentAttention(nn.Module):
                 f"{tuple(query.shape)}"
             )
 
-    def _rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """RoPE on ``x (..., T, rope)`` from position ``start`` (scaled if set)."""
-        scaling = {}
-        if self.rope_scale != 1.0:
-            scaling = dict(
-                scale=self.rope_scale,
-                method=self.rope_method,
-                original_length=self.rope_original_length,
-            )
-        return apply_rope(x, start, self.rope_base, **scaling)
-
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """``x (B, T, d)`` -> ``(B, h, T, nope + rope)``, not yet rotated."""
         if self.q_proj is not None:
@@ -206,7 +169,7 @@ class MultiHeadLatentAttention(nn.Module):
     def latents(self, x: torch.Tensor, start: int = 0):
         """What a cache stores for ``x (B, T, d)`` at positions ``start ..``: the
         latents ``(B, T, kv_lora_rank)`` and the rotated RoPE keys ``(B, T, rope)``."""
-        k_rope = self._rope(self.k_rope(x), start)  # (B, T, rope)
+        k_rope = self.rotary(self.k_rope(x), start)  # (B, T, rope)
         # (B, T, r): one dtype with k_rope under autocast
         latent = self.kv_norm(self.kv_down(x)).to(k_rope.dtype)
         return latent, k_rope
@@ -249,25 +212,15 @@ class MultiHeadLatentAttention(nn.Module):
         mixed, weights = self._attend(queries, keys, values, *attention_options)
         return mixed @ w_uv.transpose(1, 2), weights  # (h, r, v): (B, h, T, v)
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        mask=None,
-        *,
-        key_padding_mask=None,
-        need_weights=True,
-        cache=None,
-        is_causal=False,
-    ):
+    def forward(self, query, key, value, mask=None, *, key_padding_mask=None,
+                need_weights=True, cache=None, is_causal=False):  # fmt: skip
         self._check_inputs(query, key, value)
         x, h = query, self.num_heads
         nope, rope = self.qk_nope_head_dim, self.qk_rope_head_dim
         B, T, _ = x.shape
         start = 0 if cache is None else cache.length
         q_nope, q_rope = self._queries(x).split([nope, rope], dim=-1)
-        q_rope = self._rope(q_rope, start)  # (B, h, T, rope)
+        q_rope = self.rotary(q_rope, start)  # (B, h, T, rope)
         latent, k_rope = self.latents(x, start)  # (B, T, r), (B, T, rope)
         if cache is not None:  # every token so far: (B, Tk, r), (B, Tk, rope)
             latent, k_rope = cache.append(latent, k_rope)

@@ -169,6 +169,31 @@ def padding_mask(lengths, max_len: int | None = None) -> torch.Tensor:
     return positions[None, :] >= lengths[:, None]
 
 
+def padded_positions(
+    key_padding_mask: torch.Tensor, start: int, query_len: int, key_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a batch of left-padded sequences, ``key_padding_mask (B, start +
+    query_len)`` (``True`` at padding) over every token so far, the last ``query_len``
+    of them new: each new token's position ``(B, query_len)``, counted from its row's
+    first real token (a padding token gets 0), and the padding of the last ``key_len``
+    tokens ``(B, key_len)``, the keys the new queries see."""
+    if (
+        not isinstance(key_padding_mask, torch.Tensor)
+        or key_padding_mask.dtype != torch.bool
+        or key_padding_mask.dim() != 2
+        or key_padding_mask.shape[1] != start + query_len
+    ):
+        raise ValueError(
+            f"key_padding_mask must be a bool (B, {start + query_len}) tensor over "
+            "every token so far, True at padding; got "
+            f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)} "
+            f"{tuple(getattr(key_padding_mask, 'shape', ()))}"
+        )
+    real = (~key_padding_mask).long().cumsum(-1)  # (B, N): real tokens up to each
+    positions = (real[:, start:] - 1).clamp_min(0)  # (B, Tq)
+    return positions, key_padding_mask[:, -key_len:]
+
+
 def combine_masks(*masks: torch.Tensor | None) -> torch.Tensor | None:
     """Block a position if any of the bool ``masks`` blocks it (logical OR, broadcast).
 
@@ -271,6 +296,7 @@ __all__ = [
     "combine_masks",
     "key_minus_query",
     "mask_future_",
+    "padded_positions",
     "padding_mask",
     "sliding_window_mask",
 ]

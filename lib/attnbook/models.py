@@ -23,17 +23,31 @@ output otherwise), ``decoding_caches(batch_size, context)`` (one KV cache per la
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from .blocks import DecoderBlock, DecoderOnlyBlock, dropout_layer, stack_blocks
+from . import convert
+from .blocks import (
+    DecoderBlock,
+    DecoderOnlyBlock,
+    FeedForward,
+    dropout_layer,
+    stack_blocks,
+)
 from .caches import make_caches
-from .experts import gpt_arguments, gpt_weights
+from .experts import moe_feed_forward
 from .latent import MultiHeadLatentAttention
-from .masks import check_sink_tokens, sliding_window_mask
-from .modern import RMSNorm
+from .masks import check_sink_tokens, padded_positions
+from .modern import GroupedQueryAttention, RMSNorm, SwiGLU
 from .multihead import MultiHeadAttention, RotaryMultiHeadAttention
-from .positions import LearnedPositions, SinusoidalPositions, alibi_bias
+from .positions import (
+    LearnedPositions,
+    SinusoidalPositions,
+    decoder_attention_mask,
+    scale_rope,
+)
 from .utils import check_eps, check_positive_int, check_token_ids, copy_weights
 
 
@@ -100,46 +114,75 @@ def mean_pool(
 GPT_POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 
 
-def _block_options(positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, bias):
-    """The :class:`~attnbook.blocks.DecoderOnlyBlock` keywords of a GPT's chapter-17
-    options: norm eps (1e-5 for LayerNorm, 1e-6 for RMSNorm and QK-norm unless
-    ``norm_eps``), biases, grouped-query attention, QK-norm, RoPE's base."""
-    if norm_eps is not None:
-        norm_eps = check_eps(norm_eps, "norm_eps")
-    options = dict(
-        layer_norm_eps=norm_eps or (1e-6 if norm == "rms" else 1e-5),
-        bias=bias,
-        num_kv_heads=num_kv_heads,
-        qk_norm=qk_norm,
-        qk_norm_eps=norm_eps or 1e-6,
-    )
-    if positions == "rope":
-        options["rope_base"] = rope_base
-    elif rope_base != 10000.0:
-        raise ValueError(
-            f"rope_base needs positions='rope', this GPT has positions={positions!r}"
-        )
-    return options
+@dataclass
+class GPTConfig:
+    """What a :class:`GPT` is: its sizes and the pieces of its blocks (the keywords of
+    ``GPT(...)``, which builds one of these).
 
+    ``norm``: ``"post"``, ``"pre"`` or ``"rms"`` (pre-norm with RMSNorm, chapter 17);
+    ``activation``: ``"relu"``, ``"gelu"`` or ``"swiglu"`` (``hidden`` is its width,
+    ``8 d / 3`` by default); ``positions``: one of ``GPT_POSITIONS`` (chapter 13
+    compares them); ``window`` and ``sink_tokens``: sliding-window attention and its
+    attention sinks (chapters 13, 18); ``norm_eps`` (1e-5 for LayerNorm, 1e-6 for
+    RMSNorm and QK-norm by default), ``num_kv_heads``, ``qk_norm``, ``rope_base``,
+    ``bias``, ``tie_embeddings``: today's decoders (chapter 17); ``mla``: the keywords
+    of a :class:`~attnbook.latent.MultiHeadLatentAttention` (chapter 18); ``experts``:
+    those of a :class:`~attnbook.experts.MoEFeedForward` (chapter 19). Checked when
+    built: a bad value raises a ``ValueError`` naming it.
+    """
 
-def _latent_options(options: dict, mla: dict, positions, window) -> dict:
-    """The block keywords of a GPT with multi-head latent attention: ``mla``'s (the
-    :class:`~attnbook.latent.MultiHeadLatentAttention` keywords) with the norms' eps,
-    the biases and RoPE's base; grouped heads, QK-norm and a window are refused."""
-    if not isinstance(mla, dict):
-        raise TypeError(f"mla must be a dict of keywords, got {type(mla).__name__}")
-    if positions != "rope":
-        raise ValueError(
-            f"mla needs positions='rope' (its decoupled RoPE key), got {positions!r}"
-        )
-    if window is not None or options["num_kv_heads"] is not None or options["qk_norm"]:
-        raise ValueError(
-            "mla shares one latent across the heads and caches every token: build it "
-            f"with window=None, num_kv_heads=None, qk_norm=False (got window={window}, "
-            f"num_kv_heads={options['num_kv_heads']}, qk_norm={options['qk_norm']})"
-        )
-    shared = {key: options[key] for key in ("layer_norm_eps", "bias", "rope_base")}
-    return {**shared, **mla}
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    num_layers: int
+    max_len: int
+    hidden: int | None = None
+    dropout: float = 0.0
+    norm: str = "pre"
+    activation: str = "gelu"
+    positions: str = "learned"
+    window: int | None = None
+    sink_tokens: int = 0
+    norm_eps: float | None = None
+    num_kv_heads: int | None = None
+    qk_norm: bool = False
+    rope_base: float = 10000.0
+    bias: bool = True
+    tie_embeddings: bool = False
+    mla: dict | None = None
+    experts: dict | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "max_len"):
+            check_positive_int(name, getattr(self, name))
+        if self.positions not in GPT_POSITIONS:
+            raise ValueError(
+                f"positions must be one of {GPT_POSITIONS}, got {self.positions!r}"
+            )
+        if self.window is not None:
+            self.window = check_positive_int("window", self.window)
+        self.sink_tokens = _check_sinks(self.sink_tokens, self.window, self.positions)
+        if self.norm not in ("post", "pre", "rms"):
+            raise ValueError(f"norm must be 'post', 'pre' or 'rms', got {self.norm!r}")
+        if self.activation not in ("relu", "gelu", "swiglu"):
+            raise ValueError(
+                "activation must be one of ['gelu', 'relu', 'swiglu'], got "
+                f"{self.activation!r}"
+            )
+        if self.norm_eps is not None:
+            self.norm_eps = check_eps(self.norm_eps, "norm_eps")
+        if self.positions != "rope" and self.rope_base != 10000.0:
+            raise ValueError(
+                f"rope_base needs positions='rope', this GPT has "
+                f"positions={self.positions!r}"
+            )
+        if self.mla is not None:
+            _check_latent(self)
+
+    @property
+    def layer_norm_eps(self) -> float:
+        """The blocks' and the final norm's eps."""
+        return self.norm_eps or (1e-6 if self.norm == "rms" else 1e-5)
 
 
 def _check_sinks(sink_tokens, window, positions) -> int:
@@ -155,156 +198,94 @@ def _check_sinks(sink_tokens, window, positions) -> int:
     return check_sink_tokens(sink_tokens, window)
 
 
-class GPT(nn.Module):
-    """Decoder-only transformer: token + learned position embeddings, causal blocks,
-    next-token head.
-
-    ``forward(tokens (B, T), caches=None) -> logits (B, T, vocab_size)``. With
-    ``caches`` (from
-    :meth:`make_caches`), ``tokens`` holds only the new tokens; their keys and values
-    are appended to each layer's cache and only they are computed.
-
-    ``positions`` picks how tokens learn where they are (chapter 13 compares them past
-    the trained length): ``"learned"`` (the default: a table of ``max_len`` rows added
-    to the embeddings), ``"sinusoidal"`` (the fixed encoding, added), ``"rope"``
-    (queries and keys rotated in every layer; :meth:`set_rope_scaling` stretches it),
-    ``"alibi"`` (a distance penalty added to the scores,
-    :func:`~attnbook.positions.alibi_bias`) or ``"none"`` (NoPE: causal attention
-    alone). With ``window`` each token attends to itself and the ``window - 1`` tokens
-    before it (:func:`~attnbook.masks.sliding_window_mask`), and :meth:`make_caches`
-    gives rolling caches of ``window`` entries. ``sink_tokens=S`` (with a ``window``,
-    ``S < window``; chapter 18) keeps StreamingLLM's attention sinks: every token also
-    sees the first ``S`` tokens, and the window counts them (a token sees the sinks,
-    itself and the ``window - S - 1`` tokens before it), so the rolling caches still
-    hold ``window`` entries; keys keep their original positions.
-
-    Today's decoders (chapter 17) differ by keywords: ``norm="rms"`` (pre-norm with
-    RMSNorm, eps ``norm_eps``), ``activation="swiglu"`` (``hidden`` is its width),
-    ``num_kv_heads`` (grouped-query attention: the caches hold that many heads),
-    ``qk_norm``, ``rope_base``, ``bias=False`` (no bias in the attention and
-    feed-forward layers) and ``tie_embeddings`` (the output head is the token
-    embedding). :meth:`from_transformers` builds one from a Llama, Qwen3 or Mistral.
-
-    ``mla=dict(kv_lora_rank=..., qk_rope_head_dim=..., qk_nope_head_dim=...,
-    v_head_dim=..., q_lora_rank=None, mode="expanded")`` (chapter 18, with
-    ``positions="rope"``) makes every layer's attention DeepSeek's
-    :class:`~attnbook.latent.MultiHeadLatentAttention`, and :meth:`make_caches` gives
-    :class:`~attnbook.caches.LatentKVCache` s; :meth:`from_transformers` builds one
-    from a DeepSeek-V3 whose layers are all dense.
-
-    ``experts=dict(num_experts=..., top_k=2, capacity_factor=None)`` (chapter 19, with
-    ``activation="swiglu"``) makes every feed-forward network a
-    :class:`~attnbook.experts.MoEFeedForward` of ``hidden``-wide SwiGLU experts
-    (:func:`attnbook.experts.aux_loss` sums their load-balancing losses);
-    :meth:`from_transformers` builds one from a Mixtral.
-    """
-
-    def __init__(
-        self,
-        vocab_size,
-        d_model,
-        num_heads,
-        num_layers,
-        max_len,
-        *,
-        hidden=None,
-        dropout=0.0,
-        norm="pre",
-        activation="gelu",
-        positions="learned",
-        window=None,
-        sink_tokens=0,
-        norm_eps=None,
-        num_kv_heads=None,
-        qk_norm=False,
-        rope_base=10000.0,
-        bias=True,
-        tie_embeddings=False,
-        mla=None,
-        experts=None,
-    ):
-        super().__init__()
-        _check_sizes(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            max_len=max_len,
+def _check_latent(config: GPTConfig) -> None:
+    """Latent attention needs RoPE (its decoupled RoPE key) and takes no grouped heads,
+    QK-norm or window."""
+    if not isinstance(config.mla, dict):
+        raise TypeError(
+            f"mla must be a dict of keywords, got {type(config.mla).__name__}"
         )
-        if positions not in GPT_POSITIONS:
-            raise ValueError(
-                f"positions must be one of {GPT_POSITIONS}, got {positions!r}"
-            )
-        self.window = None if window is None else check_positive_int("window", window)
-        self.sink_tokens = _check_sinks(sink_tokens, self.window, positions)
-        self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.position_scheme = positions
-        self.token_embedding = _token_embedding(vocab_size, d_model)
-        if positions == "learned":
-            self.positions = LearnedPositions(max_len, d_model)
-        elif positions == "sinusoidal":
-            self.positions = SinusoidalPositions(d_model, max_len)
-        else:
-            self.positions = None  # RoPE and ALiBi act inside attention; NoPE has none
-        self.dropout = dropout_layer(dropout)
-        attention_class = (
-            RotaryMultiHeadAttention if positions == "rope" else MultiHeadAttention
+    if config.positions != "rope":
+        raise ValueError(
+            "mla needs positions='rope' (its decoupled RoPE key), got "
+            f"{config.positions!r}"
         )
-        options = _block_options(
-            positions, norm, norm_eps, num_kv_heads, qk_norm, rope_base, bias
+    if config.window is not None or config.num_kv_heads is not None or config.qk_norm:
+        raise ValueError(
+            "mla shares one latent across the heads and caches every token: build it "
+            f"with window=None, num_kv_heads=None, qk_norm=False (got "
+            f"window={config.window}, num_kv_heads={config.num_kv_heads}, "
+            f"qk_norm={config.qk_norm})"
         )
-        if mla is not None:  # multi-head latent attention (chapter 18)
-            attention_class = MultiHeadLatentAttention
-            options = _latent_options(options, mla, positions, window)
-        self.mla = None if mla is None else dict(mla)
-        self.blocks = stack_blocks(
-            num_layers,
-            d_model,
-            num_heads,
-            hidden,
-            dropout,
-            block=DecoderOnlyBlock,
-            activation=activation,
-            norm=norm,
-            attention_class=attention_class,
-            experts=experts,
-            **options,
-        )
-        self.final_norm = _final_norm(norm, d_model, norm_eps)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        if tie_embeddings:  # the output head is the token embedding (GPT-2, Qwen3-0.6B)
-            self.lm_head.weight = self.token_embedding.weight
 
-    @classmethod
-    def from_transformers(cls, model) -> GPT:
-        """A GPT with the weights of a transformers ``LlamaForCausalLM``,
-        ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``DeepseekV3ForCausalLM``
-        (dense layers only) or ``MixtralForCausalLM``, computing the same logits; in
-        eval mode, on the model's device and in its dtype. A config it cannot reproduce
-        raises (see :func:`~attnbook.modern.gpt_arguments`,
-        :func:`~attnbook.experts.gpt_arguments`)."""
-        gpt = cls(**gpt_arguments(model))
-        parameter = next(model.parameters())
-        gpt.to(device=parameter.device, dtype=parameter.dtype)
-        return copy_weights(gpt, gpt_weights(model)).eval()
 
-    def set_rope_scaling(
-        self,
-        scale: float = 1.0,
-        method: str = "linear",
-        original_length: int | None = None,
-    ):
-        """Stretch RoPE in every layer (see :func:`~attnbook.positions.rope_angles`);
-        ``scale=1.0`` undoes it."""
-        if self.position_scheme != "rope":
-            raise ValueError(
-                f"set_rope_scaling needs a GPT with positions='rope', this one has "
-                f"{self.position_scheme!r}"
-            )
-        for block in self.blocks:
-            block.self_attention.set_rope_scaling(scale, method, original_length)
-        return self
+def decoder_attention(config: GPTConfig) -> nn.Module:
+    """The self-attention of a GPT's block: chapter 3's
+    :class:`~attnbook.multihead.MultiHeadAttention`, RoPE's
+    (:class:`~attnbook.multihead.RotaryMultiHeadAttention`), grouped-query with QK-norm
+    (:class:`~attnbook.modern.GroupedQueryAttention`) or latent
+    (:class:`~attnbook.latent.MultiHeadLatentAttention`)."""
+    c = config
+    options = dict(bias=c.bias, dropout=c.dropout)
+    rope_base = c.rope_base if c.positions == "rope" else None
+    if c.mla is not None:  # chapter 18
+        return MultiHeadLatentAttention(
+            c.d_model, c.num_heads, rope_base=c.rope_base, **options, **c.mla
+        )
+    if c.num_kv_heads is not None or c.qk_norm:  # chapter 17
+        return GroupedQueryAttention(
+            c.d_model, c.num_heads, num_kv_heads=c.num_kv_heads, qk_norm=c.qk_norm,
+            qk_norm_eps=c.norm_eps or 1e-6, rope_base=rope_base, **options,
+        )  # fmt: skip
+    if rope_base is not None:  # chapter 4
+        return RotaryMultiHeadAttention(
+            c.d_model, c.num_heads, rope_base=rope_base, **options
+        )
+    return MultiHeadAttention(c.d_model, c.num_heads, **options)
+
+
+def decoder_feed_forward(config: GPTConfig) -> nn.Module:
+    """The feed-forward network of a GPT's block: chapter 5's
+    :class:`~attnbook.blocks.FeedForward` (without its biases unless ``bias``), a
+    :class:`~attnbook.modern.SwiGLU` or a mixture of them
+    (:func:`~attnbook.experts.moe_feed_forward`)."""
+    c = config
+    if c.experts is not None:  # chapter 19
+        return moe_feed_forward(
+            c.d_model, c.hidden, c.experts, c.activation, c.bias, c.dropout
+        )
+    if c.activation == "swiglu":  # chapter 17: the parameters of a 4 d MLP
+        hidden = 8 * c.d_model // 3 if c.hidden is None else c.hidden
+        return SwiGLU(c.d_model, hidden, bias=c.bias, dropout=c.dropout)
+    feed_forward = FeedForward(c.d_model, c.hidden, c.activation, c.dropout)
+    if not c.bias:  # the same MLP without its two bias vectors
+        feed_forward.fc1.bias = feed_forward.fc2.bias = None
+    return feed_forward
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rms":
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+
+def decoder_block(config: GPTConfig) -> DecoderOnlyBlock:
+    """One block of a GPT: the attention, feed-forward network and norms ``config``
+    names, composed into a :class:`~attnbook.blocks.DecoderOnlyBlock`."""
+    position = "post" if config.norm == "post" else "pre"  # RMSNorm: pre-norm
+    return DecoderOnlyBlock(
+        decoder_attention(config),
+        decoder_feed_forward(config),
+        _norm(config),
+        _norm(config),
+        norm_position=position,
+        dropout=config.dropout,
+    )
+
+
+class GPTDecoding:
+    """The decoding interface of a :class:`GPT` (chapter 8; see the module docstring):
+    its KV caches and the three calls :func:`~attnbook.generation.generate` makes."""
 
     def make_caches(
         self,
@@ -315,38 +296,24 @@ class GPT(nn.Module):
         kv_bits: int | tuple[int, int] | None = None,
         group_size: int = 32,
     ):
-        """One preallocated :class:`~attnbook.caches.KVCache` per layer, for up to
-        ``max_len`` tokens (on the model's device and in its dtype unless given; the
-        first keys decide in the end); with a ``window``, one
-        :class:`~attnbook.caches.RollingKVCache` of ``window`` entries per layer; with
-        ``mla``, one :class:`~attnbook.caches.LatentKVCache` per layer; with
-        ``kv_bits`` (``bits`` or ``(key_bits, value_bits)``, 4 or 8), one
-        :class:`~attnbook.caches.QuantizedKVCache` per layer (KIVI's: keys per channel,
-        values per token, in groups of ``group_size`` tokens)."""
-        if kv_bits is not None and self.mla is not None:
-            raise ValueError("kv_bits quantises keys and values, not mla's latents")
+        """One cache per layer for up to ``max_len`` tokens
+        (:func:`~attnbook.caches.make_caches`), on the model's device and in its dtype
+        unless given (the first keys decide in the end): a
+        :class:`~attnbook.caches.KVCache` of ``num_kv_heads`` heads; with a ``window``,
+        a :class:`~attnbook.caches.RollingKVCache` of ``window`` entries; with ``mla``,
+        a :class:`~attnbook.caches.LatentKVCache`; with ``kv_bits`` (``bits`` or
+        ``(key_bits, value_bits)``, 4 or 8), a
+        :class:`~attnbook.caches.QuantizedKVCache` (KIVI's: keys per channel, values
+        per token, in groups of ``group_size``)."""
         device, dtype = _device_and_dtype(self, device, dtype)
-        if self.mla is not None:  # one LatentKVCache per layer
-            return [
-                block.self_attention.make_cache(
-                    batch_size, self.max_len, device=device, dtype=dtype
-                )
-                for block in self.blocks
-            ]
-        head_dim = self.token_embedding.embedding_dim // self.num_heads
+        mla = self.config.mla
+        latent = None if mla is None else (mla["kv_lora_rank"], mla["qk_rope_head_dim"])
         return make_caches(
-            len(self.blocks),
-            batch_size,
-            self.num_kv_heads,  # num_heads unless grouped
-            self.max_len,
-            head_dim,
-            window=self.window,
-            device=device,
-            dtype=dtype,
-            sink_tokens=self.sink_tokens,
-            kv_bits=kv_bits,
-            group_size=group_size,
-        )
+            len(self.blocks), batch_size, self.num_kv_heads, self.max_len,
+            self.config.d_model // self.num_heads, window=self.window,
+            sink_tokens=self.sink_tokens, latent=latent, kv_bits=kv_bits,
+            group_size=group_size, device=device, dtype=dtype,
+        )  # fmt: skip
 
     @property
     def max_sequence_len(self) -> int | None:
@@ -358,98 +325,6 @@ class GPT(nn.Module):
             return None
         return self.max_len
 
-    def attention_mask(self, query_len: int, caches=None, device=None):
-        """The mask every layer adds for ``query_len`` new tokens after ``caches``:
-        ``None`` (causal attention alone), the sliding window's bool mask, ALiBi's bias
-        ``(1, h, Tq, Tk)``, or both."""
-        if self.window is None and self.position_scheme != "alibi":
-            return None
-        key_len = caches[0].key_len(query_len) if caches else query_len
-        mask = (
-            None
-            if self.window is None
-            else sliding_window_mask(
-                query_len,
-                key_len,
-                self.window,
-                sink_tokens=self.sink_tokens,
-                device=device,
-            )
-        )
-        if self.position_scheme != "alibi":
-            return mask  # (Tq, Tk) bool
-        # (1, h, Tq, Tk)
-        bias = alibi_bias(self.num_heads, query_len, key_len, device=device)[None]
-        return bias if mask is None else bias.masked_fill(mask, float("-inf"))
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        caches=None,
-        *,
-        key_padding_mask: torch.Tensor | None = None,
-        check_ids: bool = True,
-    ) -> torch.Tensor:
-        """``key_padding_mask (B, start + T)`` (every key so far, ``True`` at padding)
-        decodes a batch of left-padded prompts: each row's tokens take positions from 0
-        at its first real token, and no query reads a padded key, so each row's logits
-        are those of its prompt alone. ``check_ids=False`` skips the range check of the
-        ids (which reads them back to the host);
-        :func:`~attnbook.generation.generate` uses it for the tokens it picked
-        itself."""
-        start = caches[0].length if caches else 0
-        check_token_ids(
-            tokens,
-            self.vocab_size,
-            self.max_sequence_len,
-            start=start,
-            check_range=check_ids,
-        )
-        if caches is not None and len(caches) != len(self.blocks):
-            raise ValueError(
-                f"need one cache per block ({len(self.blocks)}), got {len(caches)}"
-            )
-        x = self.token_embedding(tokens)  # (B, T, d)
-        positions, padding = start, None
-        if key_padding_mask is not None:  # (B, T) positions, (B, Tk) padded keys
-            positions, padding = self._padding(key_padding_mask, tokens, caches)
-        if self.positions is not None:
-            # (B, T, d): learned or sinusoidal positions added
-            x = self.positions(x, positions)
-        x = self.dropout(x)
-        # None, window and/or ALiBi
-        mask = self.attention_mask(tokens.shape[1], caches, tokens.device)
-        layer_caches = [None] * len(self.blocks) if caches is None else caches
-        # causal: new queries see keys up to them
-        for block, cache in zip(self.blocks, layer_caches, strict=True):
-            x = block(x, mask, key_padding_mask=padding, cache=cache)  # (B, T, d)
-        return self.lm_head(self.final_norm(x))  # (B, T, vocab)
-
-    def _padding(self, key_padding_mask, tokens, caches):
-        """Each new token's position ``(B, T)`` (counted from the row's first real
-        token) and the padding of the keys the queries see ``(B, Tk)``."""
-        (B, T), start = tokens.shape, caches[0].length if caches else 0
-        if (
-            not isinstance(key_padding_mask, torch.Tensor)
-            or key_padding_mask.dtype != torch.bool
-            or key_padding_mask.shape != (B, start + T)
-        ):
-            raise ValueError(
-                f"key_padding_mask must be a bool (B={B}, {start + T}) tensor (every "
-                f"key so far, True at padding), got {key_padding_mask!r:.80}"
-            )
-        if self.sink_tokens:
-            raise ValueError(
-                f"a padded batch moves each row's first tokens: sink_tokens="
-                f"{self.sink_tokens} would keep the padding instead"
-            )
-        key_padding_mask = key_padding_mask.to(tokens.device)
-        real = (~key_padding_mask).long().cumsum(-1)  # (B, start + T)
-        positions = (real[:, start:] - 1).clamp_min(0)  # (B, T)
-        key_len = caches[0].key_len(T) if caches else T  # a rolling cache's last ones
-        return positions, key_padding_mask[:, -key_len:]
-
-    # the decoding interface (see the module docstring)
     def decoding_context(self, batch_size: int, key_padding_mask=None, **inputs):
         """``key_padding_mask (B, T0)`` of a left-padded prompt, or ``None``."""
         if inputs:
@@ -466,10 +341,118 @@ class GPT(nn.Module):
         padding = None
         if context is not None:  # the prompt's padding; no new token is padding
             total = (caches[0].length if caches else 0) + tokens.shape[1]
-            padding = torch.nn.functional.pad(
-                context.to(tokens.device), (0, total - context.shape[1])
-            )
+            padding = nn.functional.pad(context, (0, total - context.shape[1]))
         return self(tokens, caches, key_padding_mask=padding, check_ids=False)
+
+    def left_padding(self, key_padding_mask, start: int, query_len: int, key_len: int):
+        """A left-padded batch's positions ``(B, query_len)`` and the padding of the
+        keys the queries see ``(B, key_len)`` (:func:`~attnbook.masks.
+        padded_positions`); attention sinks would be padding, and raise."""
+        if self.sink_tokens:
+            raise ValueError(
+                f"a left-padded batch cannot keep sink_tokens={self.sink_tokens}: a "
+                "row's first tokens would be its padding"
+            )
+        padding = key_padding_mask.to(self.token_embedding.weight.device)
+        return padded_positions(padding, start, query_len, key_len)
+
+
+class GPT(GPTDecoding, nn.Module):
+    """Decoder-only transformer (GPT-2's layout): token embedding plus positions, a
+    stack of causal blocks, a final norm, a next-token head.
+
+    ``GPT(vocab_size, d_model, num_heads, num_layers, max_len, **options)`` builds the
+    model ``config``, a :class:`GPTConfig` of those fields, describes: by default
+    learned positions, pre-norm, GELU, biases. ``forward(tokens (B, T), caches=None)
+    -> logits (B, T, vocab_size)``; with ``caches`` (chapter 8, :meth:`make_caches`)
+    ``tokens`` holds only the new tokens, whose keys and values are appended to each
+    layer's cache. ``key_padding_mask (B, start + T)`` (every token so far, ``True`` at
+    padding) runs a batch of left-padded prompts: each row's positions count from its
+    first real token and no query reads a padded key, so each row's logits are its
+    prompt's alone. ``check_ids=False`` skips the ids' range check (which reads them
+    back to the host). With ``positions="rope"`` or ``"alibi"`` the positions act in
+    the attention, and with a ``window`` in its mask (:meth:`attention_mask`); the
+    decoding interface (caches, :func:`~attnbook.generation.generate`) is
+    :class:`GPTDecoding`'s.
+    """
+
+    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, **options):
+        super().__init__()
+        sizes = (vocab_size, d_model, num_heads, num_layers, max_len)
+        config = self.config = GPTConfig(*sizes, **options)
+        self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
+        self.num_kv_heads = config.num_kv_heads or num_heads
+        self.position_scheme, self.window = config.positions, config.window
+        self.sink_tokens = config.sink_tokens
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)  # GPT-2's scale
+        self.positions = _position_table(config.positions, max_len, d_model)
+        self.dropout = dropout_layer(config.dropout)
+        self.blocks = nn.ModuleList(decoder_block(config) for _ in range(num_layers))
+        self.final_norm = _final_norm(config.norm, d_model, config.norm_eps)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        if config.tie_embeddings:  # the head is the token embedding (Qwen3-0.6B)
+            self.lm_head.weight = self.token_embedding.weight
+
+    def forward(self, tokens, caches=None, *, key_padding_mask=None, check_ids=True):
+        start = caches[0].length if caches else 0
+        check_token_ids(
+            tokens, self.vocab_size, self.max_sequence_len, start=start,
+            check_range=check_ids,
+        )  # fmt: skip
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(
+                f"need one cache per block ({len(self.blocks)}), got {len(caches)}"
+            )
+        T = tokens.shape[1]
+        key_len = caches[0].key_len(T) if caches else T  # the keys the queries see
+        positions, padding = start, None
+        if key_padding_mask is not None:  # (B, T) positions, (B, key_len) padding
+            positions, padding = self.left_padding(key_padding_mask, start, T, key_len)
+        x = self.token_embedding(tokens)  # (B, T, d)
+        if self.positions is not None:
+            x = self.positions(x, positions)  # (B, T, d): learned or sinusoidal
+        x = self.dropout(x)
+        mask = self.attention_mask(T, key_len, tokens.device)  # window and/or ALiBi
+        layer_caches = caches or [None] * len(self.blocks)
+        for block, cache in zip(self.blocks, layer_caches, strict=True):
+            x = block(x, mask, key_padding_mask=padding, cache=cache)  # (B, T, d)
+        return self.lm_head(self.final_norm(x))  # (B, T, vocab)
+
+    def attention_mask(self, query_len: int, key_len: int, device=None):
+        """What every layer adds to causal attention: ``None``, the window's bool mask
+        ``(Tq, Tk)``, ALiBi's bias ``(1, h, Tq, Tk)``, or both
+        (:func:`~attnbook.positions.decoder_attention_mask`)."""
+        alibi_heads = self.num_heads if self.position_scheme == "alibi" else None
+        return decoder_attention_mask(
+            query_len, key_len, window=self.window, sink_tokens=self.sink_tokens,
+            alibi_heads=alibi_heads, device=device,
+        )  # fmt: skip
+
+    def set_rope_scaling(self, scale=1.0, method="linear", original_length=None):
+        """Stretch RoPE in every layer (:func:`~attnbook.positions.scale_rope`, chapter
+        13); ``scale=1.0`` undoes it."""
+        return scale_rope(self, scale, method, original_length)
+
+    @classmethod
+    def from_transformers(cls, model) -> GPT:
+        """A GPT with the weights of a transformers Llama, Qwen3, Mistral, Mixtral or
+        dense DeepSeek-V3 (:mod:`attnbook.convert`), computing the same logits; in
+        eval mode, on the model's device and in its dtype."""
+        gpt = cls(**convert.gpt_arguments(model))
+        parameter = next(model.parameters())
+        gpt.to(device=parameter.device, dtype=parameter.dtype)
+        return copy_weights(gpt, convert.gpt_weights(model)).eval()
+
+
+def _position_table(positions: str, max_len: int, d_model: int) -> nn.Module | None:
+    """A table added to the embeddings, or ``None`` (RoPE and ALiBi act inside
+    attention; NoPE has none)."""
+    if positions == "learned":
+        return LearnedPositions(max_len, d_model)
+    if positions == "sinusoidal":
+        return SinusoidalPositions(d_model, max_len)
+    return None
 
 
 class EncoderOnlyModel(nn.Module):
@@ -481,41 +464,18 @@ class EncoderOnlyModel(nn.Module):
     states.
     """
 
-    def __init__(
-        self,
-        vocab_size,
-        d_model,
-        num_heads,
-        num_layers,
-        max_len,
-        *,
-        num_classes=None,
-        hidden=None,
-        dropout=0.0,
-        norm="pre",
-        activation="gelu",
-    ):
+    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *,
+                 num_classes=None, hidden=None, dropout=0.0, norm="pre",
+                 activation="gelu"):  # fmt: skip
         super().__init__()
-        _check_sizes(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            max_len=max_len,
-        )
+        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
+                     num_layers=num_layers, max_len=max_len)  # fmt: skip
         self.vocab_size, self.max_len = vocab_size, max_len
         self.token_embedding = _token_embedding(vocab_size, d_model)
         self.positions = LearnedPositions(max_len, d_model)
         self.dropout = dropout_layer(dropout)
-        self.blocks = stack_blocks(
-            num_layers,
-            d_model,
-            num_heads,
-            hidden,
-            dropout,
-            activation=activation,
-            norm=norm,
-        )
+        self.blocks = stack_blocks(num_layers, d_model, num_heads, hidden, dropout,
+                                   activation=activation, norm=norm)  # fmt: skip
         self.final_norm = _final_norm(norm, d_model)
         self.mlm_head = nn.Linear(d_model, vocab_size)
         self.classifier = nn.Linear(d_model, num_classes) if num_classes else None
@@ -547,41 +507,22 @@ class TransformerDecoder(nn.Module):
     encoder's ``memory (B, S, d)`` -> ``logits (B, T, vocab_size)``.
 
     Token embedding (times ``embedding_scale``) plus positions (``"learned"`` or
-    ``"sinusoidal"``),
-    :class:`~attnbook.blocks.DecoderBlock` s (causal self-attention, aligned to the
-    bottom right as with a cache; cross-attention whose queries come from the text and
-    whose keys and values come from ``memory``; the feed-forward network), the final
-    norm of a pre-norm stack, and an output head: ``lm_head`` (``nn.Linear``), or with
-    ``tied_head=True`` the token embedding transposed (Whisper). ``key_padding_mask (B,
-    S)`` is True at the memory's padding. With ``caches`` (from :meth:`make_caches`)
-    ``tokens`` holds only the new tokens.
+    ``"sinusoidal"``), :class:`~attnbook.blocks.DecoderBlock` s (causal self-attention,
+    aligned to the bottom right as with a cache; cross-attention whose queries come
+    from the text and whose keys and values come from ``memory``; the feed-forward
+    network), the final norm of a pre-norm stack, and an output head: ``lm_head``
+    (``nn.Linear``), or with ``tied_head=True`` the token embedding transposed
+    (Whisper). ``key_padding_mask (B, S)`` is True at the memory's padding. With
+    ``caches`` (from :meth:`make_caches`) ``tokens`` holds only the new tokens.
     """
 
-    def __init__(
-        self,
-        vocab_size,
-        d_model,
-        num_heads,
-        num_layers,
-        max_len,
-        *,
-        hidden=None,
-        dropout=0.0,
-        norm="pre",
-        activation="gelu",
-        positions="learned",
-        embedding_scale=1.0,
-        tied_head=False,
-        head_bias=False,
-    ):
+    def __init__(self, vocab_size, d_model, num_heads, num_layers, max_len, *,
+                 hidden=None, dropout=0.0, norm="pre", activation="gelu",
+                 positions="learned", embedding_scale=1.0, tied_head=False,
+                 head_bias=False):  # fmt: skip
         super().__init__()
-        _check_sizes(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            max_len=max_len,
-        )
+        _check_sizes(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
+                     num_layers=num_layers, max_len=max_len)  # fmt: skip
         if positions not in ("learned", "sinusoidal"):
             raise ValueError(
                 f"positions must be 'learned' or 'sinusoidal', got {positions!r}"
@@ -589,22 +530,12 @@ class TransformerDecoder(nn.Module):
         self.vocab_size, self.max_len, self.num_heads = vocab_size, max_len, num_heads
         self.embedding_scale = embedding_scale
         self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.positions = (
-            LearnedPositions(max_len, d_model)
-            if positions == "learned"
-            else SinusoidalPositions(d_model, max_len)
-        )
+        self.positions = _position_table(positions, max_len, d_model)
         self.dropout = dropout_layer(dropout)
         self.blocks = stack_blocks(
-            num_layers,
-            d_model,
-            num_heads,
-            hidden,
-            dropout,
-            block=DecoderBlock,
-            activation=activation,
-            norm=norm,
-        )
+            num_layers, d_model, num_heads, hidden, dropout, block=DecoderBlock,
+            activation=activation, norm=norm,
+        )  # fmt: skip
         self.norm = _final_norm(norm, d_model)
         self.lm_head = (
             None if tied_head else nn.Linear(d_model, vocab_size, bias=head_bias)
@@ -612,38 +543,19 @@ class TransformerDecoder(nn.Module):
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
         """Per block: a self-attention cache (grows) and a static cross-attention cache
-        (filled once)."""
+        of ``memory_len`` keys (filled once)."""
         device, dtype = _device_and_dtype(self, device, dtype)
         head_dim = self.token_embedding.embedding_dim // self.num_heads
         return make_caches(
-            len(self.blocks),
-            batch_size,
-            self.num_heads,
-            self.max_len,
-            head_dim,
-            memory_len=memory_len,
-            device=device,
-            dtype=dtype,
-        )
+            len(self.blocks), batch_size, self.num_heads, self.max_len, head_dim,
+            memory_len=memory_len, device=device, dtype=dtype,
+        )  # fmt: skip
 
-    def forward(
-        self,
-        tokens,
-        memory,
-        key_padding_mask=None,
-        caches=None,
-        *,
-        check_ids: bool = True,
-    ):
+    def forward(self, tokens, memory, key_padding_mask=None, caches=None, *,
+                check_ids: bool = True):  # fmt: skip
         start = caches[0][0].length if caches else 0
-        check_token_ids(
-            tokens,
-            self.vocab_size,
-            self.max_len,
-            start=start,
-            check_range=check_ids,
-            name="tokens",
-        )
+        check_token_ids(tokens, self.vocab_size, self.max_len, start=start,
+                        check_range=check_ids, name="tokens")  # fmt: skip
         if tokens.shape[0] != memory.shape[0]:
             raise ValueError(
                 f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} differ "
@@ -654,28 +566,17 @@ class TransformerDecoder(nn.Module):
                 f"need one (self, cross) cache pair per block ({len(self.blocks)}), "
                 f"got {len(caches)}"
             )
-        embedded = (
-            self.token_embedding(tokens) * self.embedding_scale
-            if self.embedding_scale != 1.0
-            else self.token_embedding(tokens)
-        )
+        embedded = self.token_embedding(tokens)  # (B, T, d)
+        if self.embedding_scale != 1.0:
+            embedded = embedded * self.embedding_scale
         x = self.dropout(self.positions(embedded, start))  # (B, T, d)
-        layer_caches = [(None, None)] * len(self.blocks) if caches is None else caches
-        for block, (self_cache, cross_cache) in zip(
-            self.blocks, layer_caches, strict=True
-        ):
-            x = block(
-                x,
-                memory,
-                key_padding_mask=key_padding_mask,
-                self_cache=self_cache,
-                cross_cache=cross_cache,
-                is_causal=True,
-            )  # (B, T, d)
-        x = self.norm(x)
-        if self.lm_head is None:
-            # (B, T, vocab): the output projection is the embedding
-            return x @ self.token_embedding.weight.T
+        layer_caches = caches or [(None, None)] * len(self.blocks)
+        for block, (own, cross) in zip(self.blocks, layer_caches, strict=True):
+            x = block(x, memory, key_padding_mask=key_padding_mask, is_causal=True,
+                      self_cache=own, cross_cache=cross)  # fmt: skip
+        x = self.norm(x)  # (B, T, d)
+        if self.lm_head is None:  # the output projection is the embedding
+            return x @ self.token_embedding.weight.T  # (B, T, vocab)
         return self.lm_head(x)  # (B, T, vocab)
 
 
@@ -685,73 +586,39 @@ class EncoderDecoderModel(nn.Module):
     ``forward(source (B, S), target (B, T), key_padding_mask=None) -> logits (B, T,
     target_vocab_size)``, where ``key_padding_mask (B, S)`` is True at the source's
     padding: the keys that both the encoder's self-attention and the decoder's
-    cross-attention must not read;
-    :meth:`encode` gives the memory ``(B, S, d)`` once, :meth:`decode` runs the
-    :class:`TransformerDecoder` on it (with per-layer self-attention and cross-attention
-    caches from :meth:`make_caches`).
+    cross-attention must not read; :meth:`encode` gives the memory ``(B, S, d)`` once,
+    :meth:`decode` runs the :class:`TransformerDecoder` on it (with per-layer
+    self-attention and cross-attention caches from :meth:`make_caches`).
     """
 
-    def __init__(
-        self,
-        source_vocab_size,
-        target_vocab_size,
-        d_model,
-        num_heads,
-        num_encoder_layers,
-        num_decoder_layers,
-        max_len,
-        *,
-        hidden=None,
-        dropout=0.0,
-        norm="pre",
-        activation="gelu",
-    ):
+    def __init__(self, source_vocab_size, target_vocab_size, d_model, num_heads,
+                 num_encoder_layers, num_decoder_layers, max_len, *, hidden=None,
+                 dropout=0.0, norm="pre", activation="gelu"):  # fmt: skip
         super().__init__()
-        _check_sizes(
-            source_vocab_size=source_vocab_size,
-            target_vocab_size=target_vocab_size,
-            d_model=d_model,
-            num_heads=num_heads,
-            num_encoder_layers=num_encoder_layers,
-            num_decoder_layers=num_decoder_layers,
-            max_len=max_len,
-        )
-        self.source_vocab_size, self.target_vocab_size = (
-            source_vocab_size,
-            target_vocab_size,
-        )
-        self.max_len, self.num_heads = max_len, num_heads
+        _check_sizes(source_vocab_size=source_vocab_size,
+                     target_vocab_size=target_vocab_size, d_model=d_model,
+                     num_heads=num_heads, num_encoder_layers=num_encoder_layers,
+                     num_decoder_layers=num_decoder_layers,
+                     max_len=max_len)  # fmt: skip
+        self.source_vocab_size = source_vocab_size
+        self.target_vocab_size, self.max_len = target_vocab_size, max_len
+        self.num_heads = num_heads
         # embeddings scaled by sqrt(d) before adding positions, as in the original
         self.scale = d_model**0.5
         self.source_embedding = nn.Embedding(source_vocab_size, d_model)
         self.positions = SinusoidalPositions(d_model, max_len)
         self.dropout = dropout_layer(dropout)
+        layers = dict(hidden=hidden, dropout=dropout, norm=norm, activation=activation)
         self.encoder_blocks = stack_blocks(
-            num_encoder_layers,
-            d_model,
-            num_heads,
-            hidden,
-            dropout,
-            activation=activation,
-            norm=norm,
+            num_encoder_layers, d_model, num_heads, **layers
         )
         self.encoder_norm = _final_norm(norm, d_model)
         self.decoder = TransformerDecoder(
-            target_vocab_size,
-            d_model,
-            num_heads,
-            num_decoder_layers,
-            max_len,
-            hidden=hidden,
-            dropout=dropout,
-            norm=norm,
-            activation=activation,
-            positions="sinusoidal",
-            embedding_scale=self.scale,
-        )
-        # std d^-1/2: after the sqrt(d)
+            target_vocab_size, d_model, num_heads, num_decoder_layers, max_len,
+            positions="sinusoidal", embedding_scale=self.scale, **layers,
+        )  # fmt: skip
+        # std d^-1/2: after the sqrt(d), tokens and positions are both of size ~1
         for embedding in (self.source_embedding, self.decoder.token_embedding):
-            # scale tokens and positions are both of size ~1
             nn.init.normal_(embedding.weight, std=d_model**-0.5)
 
     @property
@@ -767,15 +634,8 @@ class EncoderDecoderModel(nn.Module):
             x = block(x, key_padding_mask=key_padding_mask)
         return self.encoder_norm(x)  # memory (B, S, d)
 
-    def decode(
-        self,
-        target,
-        memory,
-        key_padding_mask=None,
-        caches=None,
-        *,
-        check_ids: bool = True,
-    ):
+    def decode(self, target, memory, key_padding_mask=None, caches=None, *,
+               check_ids: bool = True):  # fmt: skip
         """Decoder logits ``(B, T, target_vocab)`` for ``target (B, T)`` (only the new
         tokens with ``caches``)."""
         return self.decoder(
@@ -783,9 +643,8 @@ class EncoderDecoderModel(nn.Module):
         )
 
     def forward(self, source, target, key_padding_mask=None):
-        return self.decode(
-            target, self.encode(source, key_padding_mask), key_padding_mask
-        )
+        memory = self.encode(source, key_padding_mask)
+        return self.decode(target, memory, key_padding_mask)
 
     def make_caches(self, batch_size: int, memory_len: int, device=None, dtype=None):
         """Per decoder layer: a self-attention cache (grows) and a static
@@ -795,37 +654,11 @@ class EncoderDecoderModel(nn.Module):
     # the decoding interface (see the module docstring)
     def decoding_context(self, batch_size: int, source=None, key_padding_mask=None):
         """``(memory (B, S, d), key_padding_mask (B, S) or None)`` for ``source (B,
-        S)`` token ids."""
-        if source is None:
-            raise ValueError(
-                "an EncoderDecoderModel needs source=(B, S) token ids to generate from"
-            )
+        S)`` token ids (:func:`_source_inputs`)."""
         device = next(self.parameters()).device
-        source = torch.as_tensor(source)
-        source = (source[None] if source.dim() == 1 else source).to(
-            device=device, dtype=torch.long
+        source, key_padding_mask = _source_inputs(
+            source, key_padding_mask, batch_size, device
         )
-        if source.shape[0] != batch_size:
-            raise ValueError(
-                f"source has batch size {source.shape[0]} but the prompt has "
-                f"{batch_size}"
-            )
-        if key_padding_mask is not None:
-            key_padding_mask = torch.as_tensor(key_padding_mask)
-            key_padding_mask = (
-                key_padding_mask[None]
-                if key_padding_mask.dim() == 1
-                else key_padding_mask
-            )
-            if key_padding_mask.shape != source.shape:
-                raise ValueError(
-                    f"key_padding_mask {tuple(key_padding_mask.shape)} must have "
-                    "the source's "
-                    f"shape {tuple(source.shape)}"
-                )
-            key_padding_mask = key_padding_mask.to(
-                device=device, dtype=torch.bool
-            )
         return self.encode(source, key_padding_mask), key_padding_mask
 
     def decoding_caches(self, batch_size: int, context):
@@ -836,10 +669,42 @@ class EncoderDecoderModel(nn.Module):
         return self.decode(tokens, memory, key_padding_mask, caches, check_ids=False)
 
 
+def _source_inputs(source, key_padding_mask, batch_size: int, device):
+    """An encoder–decoder's ``source (B, S)`` ids (``(S,)`` is one) and its
+    ``key_padding_mask`` (or ``None``), checked against the prompt's ``batch_size``
+    and moved to ``device`` as long and bool tensors."""
+    if source is None:
+        raise ValueError(
+            "an EncoderDecoderModel needs source=(B, S) token ids to generate from"
+        )
+    source = torch.as_tensor(source)
+    source = (source[None] if source.dim() == 1 else source).to(device, torch.long)
+    if source.shape[0] != batch_size:
+        raise ValueError(
+            f"source has batch size {source.shape[0]} but the prompt has {batch_size}"
+        )
+    if key_padding_mask is None:
+        return source, None
+    key_padding_mask = torch.as_tensor(key_padding_mask)
+    if key_padding_mask.dim() == 1:
+        key_padding_mask = key_padding_mask[None]
+    if key_padding_mask.shape != source.shape:
+        raise ValueError(
+            f"key_padding_mask {tuple(key_padding_mask.shape)} must have the source's "
+            f"shape {tuple(source.shape)}"
+        )
+    return source, key_padding_mask.to(device, torch.bool)
+
+
 __all__ = [
     "EncoderDecoderModel",
     "EncoderOnlyModel",
     "GPT",
+    "GPTConfig",
+    "GPTDecoding",
     "TransformerDecoder",
+    "decoder_attention",
+    "decoder_block",
+    "decoder_feed_forward",
     "mean_pool",
 ]

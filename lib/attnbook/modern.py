@@ -1,21 +1,19 @@
 """Today's decoder (chapter 17): the pieces that turn chapter 6's GPT-2-style decoder
-into a Llama-style one, and the bridge from transformers' Llama, Qwen3 and Mistral.
+into a Llama-style one.
 
 - :class:`RMSNorm`: LayerNorm without the mean and the bias, ``(..., d) -> (..., d)``.
 - :class:`SwiGLU`: the gated feed-forward network, ``(..., d) -> (..., hidden) -> (...,
   d)``.
-- Grouped-query attention and QK-norm are options of
-  :class:`~attnbook.multihead.MultiHeadAttention` (``num_kv_heads=``, ``qk_norm=``);
+- :class:`GroupedQueryAttention`: chapter 3's multi-head attention with fewer key and
+  value heads than query heads (:func:`repeat_kv`), QK-norm and RoPE;
   ``GPT(..., positions="rope", norm="rms", activation="swiglu", bias=False,
   num_kv_heads=...)`` is a Llama.
 - :func:`rope_halves_to_pairs`: transformers rotates the pairs ``(x[i], x[i + d/2])``
   of a head, :func:`~attnbook.positions.apply_rope` the pairs ``(x[2i], x[2i+1])``;
   reordering the rows of ``W_q`` and ``W_k`` maps one onto the other.
 - :func:`decoder_parameters`: the parameter count of such a decoder.
-- :func:`gpt_arguments` and :func:`gpt_weights`: what
-  :meth:`GPT.from_transformers <attnbook.models.GPT.from_transformers>` reads from a
-  ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM`` (and, for
-  chapter 18, a dense ``DeepseekV3ForCausalLM``: multi-head latent attention).
+
+Reading transformers' Llama, Qwen3 and Mistral into a GPT is :mod:`attnbook.convert`'s.
 """
 
 from __future__ import annotations
@@ -24,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .multihead import MultiHeadAttention, check_attention_sizes, split_heads
+from .positions import Rotary
 from .utils import check_eps, check_positive_int
 
 
@@ -81,6 +81,85 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gated = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (..., hidden)
         return self.down_proj(self.dropout(gated))  # (..., d)
+
+
+def repeat_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
+    """``(B, h_kv, T, d/h)`` -> ``(B, h_kv * repeats, T, d/h)``: each key or value head
+    repeated for the ``repeats`` query heads it serves (head ``g`` for query heads ``g
+    repeats .. g repeats + repeats - 1``), as transformers' ``repeat_kv``."""
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
+
+
+class GroupedQueryAttention(MultiHeadAttention):
+    """Grouped-query attention (Ainslie et al. 2023) with QK-norm and RoPE: today's
+    decoders' attention, :class:`~attnbook.multihead.MultiHeadAttention`'s forward with
+    three of its steps changed.
+
+    ``k_proj`` and ``v_proj`` give only ``num_kv_heads`` heads (a divisor of
+    ``num_heads``; 1 is multi-query attention; ``None``, as many as the queries), a
+    cache stores only those, and each serves ``num_heads / num_kv_heads`` query heads
+    (:func:`repeat_kv`). With ``qk_norm`` an :class:`RMSNorm` over ``d / h``
+    (``q_norm``, ``k_norm``, eps ``qk_norm_eps``) normalises each head's queries and
+    keys before any rotation (Qwen3); with ``rope_base`` they are rotated by RoPE
+    (``rotary``), as in :class:`~attnbook.multihead.RotaryMultiHeadAttention`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        bias=True,
+        dropout=0.0,
+        *,
+        num_kv_heads: int | None = None,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
+        rope_base: float | None = None,
+    ):
+        nn.Module.__init__(self)  # MultiHeadAttention's modules, two of them narrower
+        d_model, num_heads, self.dropout = check_attention_sizes(
+            d_model, num_heads, dropout
+        )
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        kv_heads = check_positive_int("num_kv_heads", kv_heads)
+        if num_heads % kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} is not divisible by num_kv_heads={kv_heads}"
+            )
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, kv_heads
+        self.head_dim = d_model // num_heads
+        kv_width = kv_heads * self.head_dim  # d_model unless grouped
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.v_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
+        self.rotary = None if rope_base is None else Rotary(rope_base)
+
+    @property
+    def rope_base(self) -> float | None:
+        return None if self.rotary is None else self.rotary.base
+
+    def keys_values(self, key, value):
+        """Per-head keys and values ``(B, h_kv, Tk, d/h)``: ``h_kv`` heads."""
+        k = split_heads(self.k_proj(key), self.num_kv_heads)
+        return k, split_heads(self.v_proj(value), self.num_kv_heads)
+
+    def encode_positions(self, q, k, start):
+        """QK-norm, then RoPE."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        return q, k
+
+    def attend(self, q, k, v, mask, need_weights, is_causal):
+        """Each key and value head repeated for the query heads it serves ``(B, h,
+        Tk, d/h)``, then :meth:`MultiHeadAttention.attend`."""
+        groups = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return super().attend(q, k, v, mask, need_weights, is_causal)
 
 
 def rope_halves_to_pairs(
@@ -149,280 +228,11 @@ def decoder_parameters(
     return vocab * d_model + layers * layer + d_model + head
 
 
-# --- reading transformers' Llama, Qwen3 and Mistral
-# ----------------------------------------------------------------------------------
-
-SUPPORTED_MODELS = (
-    "LlamaForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-    "DeepseekV3ForCausalLM",
-)
-LAYER_NAMES = {  # their module in a layer -> ours in a block
-    "self_attn.q_proj": "self_attention.q_proj",
-    "self_attn.k_proj": "self_attention.k_proj",
-    "self_attn.v_proj": "self_attention.v_proj",
-    "self_attn.o_proj": "self_attention.out_proj",
-    "self_attn.q_norm": "self_attention.q_norm",
-    "self_attn.k_norm": "self_attention.k_norm",
-    "mlp.gate_proj": "feed_forward.gate_proj",
-    "mlp.up_proj": "feed_forward.up_proj",
-    "mlp.down_proj": "feed_forward.down_proj",
-    "input_layernorm": "norm1",
-    "post_attention_layernorm": "norm2",
-}
-LATENT_NAMES = {  # DeepSeek-V3's attention modules -> MultiHeadLatentAttention's
-    "self_attn.q_proj": "self_attention.q_proj",
-    "self_attn.q_a_proj": "self_attention.q_down",
-    "self_attn.q_a_layernorm": "self_attention.q_norm",
-    "self_attn.q_b_proj": "self_attention.q_up",
-    "self_attn.kv_a_layernorm": "self_attention.kv_norm",
-    "self_attn.kv_b_proj": "self_attention.kv_up",
-    "self_attn.o_proj": "self_attention.out_proj",
-}
-
-
-def _check_model(model) -> None:
-    import transformers
-
-    classes = tuple(getattr(transformers, name) for name in SUPPORTED_MODELS)
-    if not isinstance(model, classes):
-        raise TypeError(
-            f"model must be one of {', '.join(SUPPORTED_MODELS)}, got "
-            f"{type(model).__name__}"
-        )
-
-
-def _rope_base(config) -> float:
-    """RoPE's base from ``config.rope_parameters`` (transformers 5) or the older
-    ``rope_theta`` and ``rope_scaling``; anything but the default RoPE raises."""
-    parameters = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
-    for name, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
-        rope_type = value.get("rope_type", value.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"{name} has rope_type={rope_type!r}: GPT.from_transformers reproduces "
-                "the default RoPE only"
-            )
-    return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
-def _window(config) -> int | None:
-    """The sliding window of every layer (Mistral's ``sliding_window``; Qwen3's when
-    all its ``layer_types`` slide), or ``None``."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:  # Llama has no window, Mistral's is in every layer
-        return window
-    kinds = set(layer_types)
-    if len(kinds) > 1:
-        raise ValueError(
-            f"layer_types mixes {sorted(kinds)}: a GPT has one window for every layer"
-        )
-    return window if kinds == {"sliding_attention"} else None
-
-
-def _shared_arguments(config, *, bias: bool, tied: bool) -> dict:
-    """The GPT keywords every decoder we read shares: sizes, RMSNorm, SwiGLU, RoPE."""
-    return dict(
-        vocab_size=config.vocab_size,
-        d_model=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_layers=config.num_hidden_layers,
-        max_len=config.max_position_embeddings,
-        hidden=config.intermediate_size,
-        norm="rms",
-        norm_eps=config.rms_norm_eps,
-        activation="swiglu",
-        positions="rope",
-        rope_base=_rope_base(config),
-        bias=bias,
-        tie_embeddings=tied,
-    )
-
-
-def _deepseek_arguments(config, tied: bool) -> dict:
-    """:func:`gpt_arguments` of a ``DeepseekV3ForCausalLM``: multi-head latent
-    attention (``mla=``), dense SwiGLU layers only."""
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    dense = config.first_k_dense_replace
-    if dense is None or dense < layers:
-        raise ValueError(
-            f"first_k_dense_replace={dense} < num_hidden_layers={layers}: the layers "
-            "from there on are mixture-of-experts (chapter 19); a GPT reads a DeepSeek "
-            "whose layers are all dense"
-        )
-    if config.num_key_value_heads != heads:
-        raise ValueError(
-            f"num_key_value_heads={config.num_key_value_heads} differs from "
-            f"num_attention_heads={heads}: latent attention expands one key and "
-            "value per query head"
-        )
-    if config.attention_bias:
-        raise ValueError(
-            "attention_bias=True: a GPT's bias= would also give the SwiGLU biases, "
-            "which DeepSeek's has not"
-        )
-    return dict(
-        **_shared_arguments(config, bias=False, tied=tied),
-        mla=dict(
-            kv_lora_rank=config.kv_lora_rank,
-            q_lora_rank=config.q_lora_rank,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            v_head_dim=config.v_head_dim,
-        ),
-    )
-
-
-def gpt_arguments(model) -> dict:
-    """The :class:`~attnbook.models.GPT` keywords that rebuild a transformers
-    ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM``: RoPE,
-    RMSNorm, SwiGLU, grouped-query attention, QK-norm for Qwen3, Mistral's sliding
-    window; or a ``DeepseekV3ForCausalLM`` whose layers are all dense (multi-head
-    latent attention, ``mla=``; a mixture-of-experts layer, ``num_key_value_heads``
-    unlike ``num_attention_heads`` or ``attention_bias`` raise).
-
-    Another model class raises a ``TypeError``; a config field we cannot reproduce
-    (``hidden_act`` other than SiLU, a ``head_dim`` other than ``hidden_size /
-    num_attention_heads``, scaled RoPE, ``attention_bias`` unlike ``mlp_bias``,
-    ``attention_dropout``, layers that differ in their window, ``tie_word_embeddings``
-    unlike the weights) a ``ValueError`` naming it.
-    """
-    _check_model(model)
-    return _decoder_arguments(model)
-
-
-def _decoder_arguments(model) -> dict:
-    """:func:`gpt_arguments` without checking the model's class (chapter 19 reads a
-    Mixtral's attention with it)."""
-    config = model.config
-    d_model, heads = config.hidden_size, config.num_attention_heads
-    if config.hidden_act != "silu":
-        raise ValueError(
-            f"hidden_act={config.hidden_act!r}: our SwiGLU gates with SiLU ('silu')"
-        )
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(
-            f"attention_dropout={config.attention_dropout}: a GPT's dropout also acts "
-            "outside the attention; set it to 0"
-        )
-    tied = model.lm_head.weight is model.get_input_embeddings().weight
-    if bool(config.tie_word_embeddings) != tied:
-        raise ValueError(
-            f"tie_word_embeddings={config.tie_word_embeddings} but the model's output "
-            f"head is{'' if tied else ' not'} its input embedding"
-        )
-    if config.model_type == "deepseek_v3":
-        return _deepseek_arguments(config, tied)
-    head_dim = getattr(config, "head_dim", None) or d_model // heads
-    if head_dim * heads != d_model:
-        raise ValueError(
-            f"head_dim={head_dim} is not hidden_size / num_attention_heads = "
-            f"{d_model} / {heads}: our heads split d_model"
-        )
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    mlp_bias = bool(getattr(config, "mlp_bias", False))
-    if attention_bias != mlp_bias:
-        raise ValueError(
-            f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: a GPT's bias= "
-            "covers the attention's and the feed-forward's linear layers together"
-        )
-    return dict(
-        **_shared_arguments(config, bias=attention_bias, tied=tied),
-        window=_window(config),
-        num_kv_heads=config.num_key_value_heads,
-        qk_norm=hasattr(model.model.layers[0].self_attn, "q_norm"),  # Qwen3
-    )
-
-
-def _latent_layer(layer, prefix: str, arguments: dict, interleaved: bool) -> dict:
-    """One DeepSeek-V3 layer's tensors under our names: ``kv_a_proj_with_mqa`` split
-    into ``kv_down`` (the latent's rows) and ``k_rope`` (the RoPE key's); with
-    ``rope_interleave=False`` the RoPE rows of the queries and of the key reordered by
-    :func:`rope_halves_to_pairs` (with ``True`` DeepSeek rotates pairs as we do)."""
-    mla, heads = arguments["mla"], arguments["num_heads"]
-    nope, rope = mla["qk_nope_head_dim"], mla["qk_rope_head_dim"]
-
-    def query_rows(w):  # (h (nope + rope), ...): each head's last rope rows reordered
-        if interleaved:
-            return w
-        rows = w.reshape(heads, nope + rope, *w.shape[1:])
-        rotary = rows[:, nope:].reshape(heads * rope, *w.shape[1:])
-        rotary = rope_halves_to_pairs(rotary, heads, rope).reshape(rows[:, nope:].shape)
-        return torch.cat([rows[:, :nope], rotary], dim=1).reshape(w.shape)
-
-    tensors = {}
-    for name, tensor in layer.state_dict().items():
-        module, parameter = name.rsplit(".", 1)
-        if module == "self_attn.kv_a_proj_with_mqa":
-            latent, rotary = tensor.split([mla["kv_lora_rank"], rope])
-            if not interleaved:
-                rotary = rope_halves_to_pairs(rotary, 1, rope)
-            tensors[f"{prefix}.self_attention.kv_down.{parameter}"] = latent
-            tensors[f"{prefix}.self_attention.k_rope.{parameter}"] = rotary
-            continue
-        if module in ("self_attn.q_proj", "self_attn.q_b_proj"):
-            tensor = query_rows(tensor)
-        ours = LATENT_NAMES.get(module) or LAYER_NAMES.get(module, module)
-        tensors[f"{prefix}.{ours}.{parameter}"] = tensor
-    return tensors
-
-
-def gpt_weights(model) -> dict[str, torch.Tensor]:
-    """A transformers ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or
-    ``MistralForCausalLM``'s tensors under the names of the
-    :class:`~attnbook.models.GPT` that :func:`gpt_arguments` builds (for
-    :func:`~attnbook.utils.copy_weights`), the rows of ``W_q``, ``W_k`` (their biases,
-    the QK-norm weights) reordered by :func:`rope_halves_to_pairs`; a
-    ``DeepseekV3ForCausalLM``'s too (see :func:`_latent_layer`)."""
-    arguments = gpt_arguments(model)
-    heads, kv_heads = arguments["num_heads"], arguments.get("num_kv_heads")
-    head_dim = arguments["d_model"] // heads
-    # the heads whose rows to reorder, per module (a norm over head_dim has one)
-    rows = {
-        "self_attn.q_proj": heads,
-        "self_attn.k_proj": kv_heads,
-        "self_attn.q_norm": 1,
-        "self_attn.k_norm": 1,
-    }
-
-    def layer_tensors(layer, prefix):
-        if "mla" in arguments:  # DeepSeek-V3
-            interleaved = bool(model.config.rope_interleave)
-            return _latent_layer(layer, prefix, arguments, interleaved)
-        tensors = {}
-        for name, tensor in layer.state_dict().items():
-            module, parameter = name.rsplit(".", 1)  # "self_attn.q_proj", "weight"
-            if module in rows:
-                tensor = rope_halves_to_pairs(tensor, rows[module], head_dim)
-            # an unknown module keeps its name: copy_weights lists it as unused
-            ours = LAYER_NAMES.get(module, module)
-            tensors[f"{prefix}.{ours}.{parameter}"] = tensor
-        return tensors
-
-    return _decoder_tensors(model, arguments, layer_tensors)
-
-
-def _decoder_tensors(model, arguments: dict, layer_tensors) -> dict[str, torch.Tensor]:
-    """A transformers decoder's tensors under our GPT's names: the embedding, each
-    layer's from ``layer_tensors(layer, "blocks.i")``, the final norm and, untied,
-    the output head."""
-    tensors = {"token_embedding.weight": model.get_input_embeddings().weight}
-    for i, layer in enumerate(model.model.layers):
-        tensors.update(layer_tensors(layer, f"blocks.{i}"))
-    tensors["final_norm.weight"] = model.model.norm.weight
-    if not arguments["tie_embeddings"]:
-        tensors["lm_head.weight"] = model.lm_head.weight
-    return tensors
-
-
 __all__ = [
+    "GroupedQueryAttention",
     "RMSNorm",
     "SwiGLU",
     "decoder_parameters",
-    "gpt_arguments",
-    "gpt_weights",
+    "repeat_kv",
     "rope_halves_to_pairs",
 ]

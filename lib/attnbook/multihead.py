@@ -1,12 +1,14 @@
-"""Multi-head attention and the head split and merge (the KV caches it appends to are in
-:mod:`attnbook.caches`).
+"""Multi-head attention (chapter 3), the head split and merge, and RoPE's rotation of
+the heads' queries and keys (chapter 4).
 
 Shapes: inputs batch-first ``(B, T, d_model)``; per-head tensors ``(B, h, T, d_model /
 h)``; per-head weights ``(B, h, Tq, Tk)``.
 
 Masks (``True`` = blocked, float = added) may be ``(Tq, Tk)``, ``(B, Tq, Tk)`` (the same
 for every head) or ``(B, h, Tq, Tk)``; ``key_padding_mask`` is ``(B, Tk)``, ``True`` at
-padding.
+padding. Later chapters build on :class:`MultiHeadAttention` by overriding its small
+steps: :class:`RotaryMultiHeadAttention` (chapter 4) rotates queries and keys,
+:class:`~attnbook.modern.GroupedQueryAttention` (chapter 17) shares key and value heads.
 """
 
 from __future__ import annotations
@@ -14,18 +16,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import _attention, check_mask, scaled_dot_product_attention
+from .attention import (
+    _attention,
+    _check_dropout,
+    check_mask,
+    scaled_dot_product_attention,
+)
 from .masks import attention_mask_for_heads
-from .modern import RMSNorm
-from .positions import _check_rope_scaling, apply_rope
+from .positions import Rotary
 from .utils import check_positive_int
 
 __all__ = [
     "MultiHeadAttention",
     "RotaryMultiHeadAttention",
     "WideMultiHeadAttention",
+    "attention_mask_for_heads",
+    "check_attention_inputs",
+    "check_attention_sizes",
+    "load_torch_attention",
     "merge_heads",
-    "repeat_kv",
     "split_heads",
 ]
 
@@ -49,13 +58,6 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, T, h * head_dim)  # (B, T, d)
 
 
-def repeat_kv(x: torch.Tensor, repeats: int) -> torch.Tensor:
-    """``(B, h_kv, T, d/h)`` -> ``(B, h_kv * repeats, T, d/h)``: each key or value head
-    repeated for the ``repeats`` query heads it serves (head ``g`` for query heads ``g
-    repeats .. g repeats + repeats - 1``), as transformers' ``repeat_kv``."""
-    return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
-
-
 class MultiHeadAttention(nn.Module):
     """``h`` heads of scaled dot-product attention on ``d_model / h`` slices,
     concatenated and mixed by ``W_o``.
@@ -63,200 +65,149 @@ class MultiHeadAttention(nn.Module):
     Four ``nn.Linear`` layers ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``: ``4 (d^2
     + d)`` parameters (with bias) whatever ``num_heads`` is.
 
-    Grouped-query attention (chapter 17): with ``num_kv_heads`` (a divisor of
-    ``num_heads``; 1 is multi-query attention) ``k_proj`` and ``v_proj`` give only
-    ``num_kv_heads`` heads, a cache stores only those, and each serves ``num_heads /
-    num_kv_heads`` query heads (:func:`repeat_kv`). With ``qk_norm`` an
-    :class:`~attnbook.modern.RMSNorm` over ``d / h`` (``q_norm``, ``k_norm``)
-    normalises each head's queries and keys before any rotation (Qwen3).
-
     ``forward(query (B, Tq, d), key (B, Tk, d), value (B, Tk, d), mask=None)`` returns
     ``(out (B, Tq, d), weights (B, h, Tq, Tk))``. With ``need_weights=False`` the fused
-    kernel runs and ``weights`` is ``None``. ``is_causal=True`` blocks the future
-    without a mask tensor (queries are the last ``Tq`` of the ``Tk`` tokens, as with a
-    cache). In training mode with ``dropout > 0`` the weights are dropped (the fused
-    kernel's ``dropout_p`` when no weights are needed) and, as in
-    ``nn.MultiheadAttention``, the weights returned are those after dropout. With a
-    cache (:mod:`attnbook.caches`), only the new tokens' keys and values are computed
-    and appended (or, for a filled static cache, none at all).
+    kernel runs and ``weights`` is ``None``; ``is_causal=True`` blocks the future
+    without a mask tensor (the queries are the last ``Tq`` of the ``Tk`` tokens). In
+    training with ``dropout > 0`` the weights are dropped, and returned after dropout
+    (as ``nn.MultiheadAttention`` does). With a ``cache`` (chapter 8) only the new
+    tokens' keys and values are computed and appended to it; a filled ``static`` cache
+    (an encoder's keys and values) is read as it is.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        bias: bool = True,
-        dropout: float = 0.0,
-        *,
-        num_kv_heads: int | None = None,
-        qk_norm: bool = False,
-        qk_norm_eps: float = 1e-6,
-    ):
+    def __init__(self, d_model: int, num_heads: int, bias=True, dropout=0.0):
         super().__init__()
-        d_model, num_heads = (
-            check_positive_int("d_model", d_model),
-            check_positive_int("num_heads", num_heads),
+        d_model, num_heads, self.dropout = check_attention_sizes(
+            d_model, num_heads, dropout
         )
-        if d_model % num_heads != 0:
-            raise ValueError(
-                f"d_model={d_model} is not divisible by num_heads={num_heads}"
-            )
-        num_kv_heads = (
-            num_heads
-            if num_kv_heads is None
-            else check_positive_int("num_kv_heads", num_kv_heads)
-        )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
-            )
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, (int, float))
-            or not 0 <= dropout < 1
-        ):
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
-        self.d_model, self.num_heads, self.head_dim = (
-            d_model,
-            num_heads,
-            d_model // num_heads,
-        )
-        self.num_kv_heads = num_kv_heads
-        self.dropout = float(dropout)
-        kv_width = num_kv_heads * self.head_dim  # d_model unless grouped
+        self.d_model, self.num_heads = d_model, num_heads
+        self.head_dim = d_model // num_heads
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, kv_width, bias=bias)
-        self.v_proj = nn.Linear(d_model, kv_width, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-        # QK-norm: None without it
-        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
 
-    def _check_inputs(self, query, key, value):
-        # self-attention passes one tensor three times: check it once
-        inputs = (
-            (("query", query),)
-            if key is query and value is query
-            else (("query", query), ("key", key), ("value", value))
-        )
-        for name, x in inputs:
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(
-                    f"{name} must be a torch.Tensor, got {type(x).__name__}"
-                )
-            if x.dim() != 3 or x.shape[-1] != self.d_model:
-                raise ValueError(
-                    f"{name} must be (B, T, d_model={self.d_model}), got shape "
-                    f"{tuple(x.shape)}"
-                )
-        if not (query.shape[0] == key.shape[0] == value.shape[0]):
-            raise ValueError(
-                f"query, key, value must share the batch size, got {query.shape[0]}, "
-                f"{key.shape[0]}, {value.shape[0]}"
-            )
-        if key.shape[1] != value.shape[1]:
-            raise ValueError(
-                f"key and value must have the same length, got {key.shape[1]} and "
-                f"{value.shape[1]}"
-            )
+    def queries(self, query: torch.Tensor) -> torch.Tensor:
+        """``(B, Tq, d)`` -> per-head queries ``(B, h, Tq, d/h)``."""
+        return split_heads(self.q_proj(query), self.num_heads)
 
-    def _heads(self, x: torch.Tensor, num_heads: int, norm: nn.Module | None):
-        """``(B, T, num_heads * d/h)`` -> ``(B, num_heads, T, d/h)``, each head's
-        vectors RMS-normalised with QK-norm."""
-        heads = split_heads(x, num_heads)
-        return heads if norm is None else norm(heads)
+    def keys_values(self, key: torch.Tensor, value: torch.Tensor):
+        """``(B, Tk, d)`` each -> per-head keys and values ``(B, h, Tk, d/h)``."""
+        k = split_heads(self.k_proj(key), self.num_heads)
+        return k, split_heads(self.v_proj(value), self.num_heads)
 
-    def project_queries_keys(self, q: torch.Tensor, k: torch.Tensor, start: int):
-        """Hook for position schemes that act on per-head queries and keys (RoPE);
-        identity here."""
+    def encode_positions(self, q: torch.Tensor, k: torch.Tensor, start: int):
+        """Where a position scheme acts on the heads' queries and keys (RoPE rotates
+        them, tokens from position ``start``); nothing here."""
         return q, k
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        mask=None,
-        *,
-        key_padding_mask=None,
-        need_weights=True,
-        cache=None,
-        is_causal=False,
-    ):
-        self._check_inputs(query, key, value)
-        B = query.shape[0]
-        start = cache.length if cache is not None and not cache.static else 0
-        # (B, h, Tq, d/h)
-        q = self._heads(self.q_proj(query), self.num_heads, self.q_norm)
-        if cache is not None and cache.static and cache.length > 0:
-            # computed once
-            k, v = cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]
-        else:
-            # (B, h_kv, Tk, d/h): h_kv = h unless grouped
-            k = self._heads(self.k_proj(key), self.num_kv_heads, self.k_norm)
-            v = split_heads(self.v_proj(value), self.num_kv_heads)
-            q, k = self.project_queries_keys(q, k, start)
-            if cache is not None:
-                # all keys/values so far: (B, h_kv, start + Tk, d/h)
-                k, v = cache.append(k, v)
-        # (B, h, Tk, d/h): each key/value head serves h / h_kv query heads
-        groups = self.num_heads // self.num_kv_heads
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        mask = attention_mask_for_heads(
-            mask, key_padding_mask, B, q.shape[2], k.shape[2]
-        )
-        if mask is not None:  # q, k and v are ours: only a caller's mask is checked
-            check_mask(mask, (B, self.num_heads, q.shape[2], k.shape[2]), q.device)
-        # one computation, the fused kernel's without weights
+    def attend(self, q, k, v, mask, need_weights: bool, is_causal: bool):
+        """Each head's attention: ``(B, h, Tq, d/h)`` and the weights (or ``None``)."""
         dropout_p = self.dropout if self.training else 0.0
-        # (B, h, Tq, d/h), and the weights after dropout or None
-        out, weights = _attention(q, k, v, mask, need_weights, is_causal, dropout_p)
-        # (B, Tq, d), (B, h, Tq, Tk) or None
-        return self.out_proj(merge_heads(out)), weights
+        return _attention(q, k, v, mask, need_weights, is_causal, dropout_p)
 
-    @torch.no_grad()
+    def forward(self, query, key, value, mask=None, *, key_padding_mask=None,
+                need_weights=True, cache=None, is_causal=False):  # fmt: skip
+        check_attention_inputs(self.d_model, query, key, value)
+        q = self.queries(query)  # (B, h, Tq, d/h)
+        if cache is not None and cache.static and cache.length:
+            k, v = cache.filled()  # an encoder's keys and values, computed once
+        else:
+            k, v = self.keys_values(key, value)  # (B, h, Tk, d/h)
+            start = 0 if cache is None else cache.length  # the new tokens' position
+            q, k = self.encode_positions(q, k, start)
+            if cache is not None:  # every key and value so far: (B, h, start + Tk, d/h)
+                k, v = cache.append(k, v)
+        B, _, Tq, _ = q.shape
+        mask = attention_mask_for_heads(mask, key_padding_mask, B, Tq, k.shape[2])
+        if mask is not None:  # q, k and v are ours: only a caller's mask is checked
+            check_mask(mask, (B, self.num_heads, Tq, k.shape[2]), q.device)
+        # (B, h, Tq, d/h), and the weights after dropout (or None)
+        out, weights = self.attend(q, k, v, mask, need_weights, is_causal)
+        return self.out_proj(merge_heads(out)), weights  # (B, Tq, d), weights
+
     def load_from_torch(self, reference: nn.MultiheadAttention) -> MultiHeadAttention:
         """Copy the weights of an ``nn.MultiheadAttention`` of the same size into this
-        module."""
-        if reference.embed_dim != self.d_model or reference.num_heads != self.num_heads:
+        module (:func:`load_torch_attention`)."""
+        return load_torch_attention(self, reference)
+
+
+def check_attention_sizes(d_model, num_heads, dropout) -> tuple[int, int, float]:
+    """``d_model`` and ``num_heads`` positive ints, ``num_heads`` dividing ``d_model``,
+    ``dropout`` in ``[0, 1)``; otherwise a ``ValueError`` naming the value."""
+    d_model = check_positive_int("d_model", d_model)
+    num_heads = check_positive_int("num_heads", num_heads)
+    if d_model % num_heads != 0:
+        raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+    return d_model, num_heads, _check_dropout(dropout, "dropout")
+
+
+def check_attention_inputs(d_model: int, query, key, value) -> None:
+    """Raise unless ``query (B, Tq, d_model)``, ``key`` and ``value (B, Tk, d_model)``
+    are tensors of one batch size (self-attention passes one tensor thrice: checked
+    once)."""
+    inputs = (
+        (("query", query),)
+        if key is query and value is query
+        else (("query", query), ("key", key), ("value", value))
+    )
+    for name, x in inputs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != d_model:
             raise ValueError(
-                f"reference has embed_dim={reference.embed_dim}, "
-                f"num_heads={reference.num_heads}; "
-                f"this module has d_model={self.d_model}, num_heads={self.num_heads}"
+                f"{name} must be (B, T, d_model={d_model}), got shape "
+                f"{tuple(x.shape)}"
             )
-        if self.num_kv_heads != self.num_heads or self.q_norm is not None:
-            raise ValueError(
-                "nn.MultiheadAttention has neither grouped keys and values nor "
-                "QK-norm: build this module with num_kv_heads=None, qk_norm=False"
-            )
-        if not reference._qkv_same_embed_dim:
-            raise ValueError("reference must have kdim == vdim == embed_dim")
-        if reference.bias_k is not None or reference.add_zero_attn:
-            raise ValueError(
-                "reference has add_bias_kv=True or add_zero_attn=True (an extra key "
-                "and value this "
-                "module does not have): build it with both False"
-            )
-        if (reference.in_proj_bias is None) != (self.q_proj.bias is None):
-            has_bias = reference.in_proj_bias is not None
-            raise ValueError(
-                f"reference has bias={has_bias}; this module has bias={not has_bias}"
-            )
-        for proj, w in zip(
-            (self.q_proj, self.k_proj, self.v_proj),
-            reference.in_proj_weight.chunk(3),
-            strict=True,
-        ):
-            proj.weight.copy_(w)
-        if reference.in_proj_bias is not None and self.q_proj.bias is not None:
-            for proj, b in zip(
-                (self.q_proj, self.k_proj, self.v_proj),
-                reference.in_proj_bias.chunk(3),
-                strict=True,
-            ):
-                proj.bias.copy_(b)
-        self.out_proj.load_state_dict(reference.out_proj.state_dict())
-        return self
+    if not (query.shape[0] == key.shape[0] == value.shape[0]):
+        raise ValueError(
+            f"query, key, value must share the batch size, got {query.shape[0]}, "
+            f"{key.shape[0]}, {value.shape[0]}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"key and value must have the same length, got {key.shape[1]} and "
+            f"{value.shape[1]}"
+        )
+
+
+@torch.no_grad()
+def load_torch_attention(ours: nn.Module, reference: nn.MultiheadAttention):
+    """Copy an ``nn.MultiheadAttention``'s weights into a plain
+    :class:`MultiHeadAttention` of the same size (its packed ``in_proj_weight`` cut into
+    ``q_proj``, ``k_proj``, ``v_proj``); returns ``ours``. A layout the reference does
+    not have (other sizes, grouped heads, an extra key, a bias on one side) raises."""
+    if reference.embed_dim != ours.d_model or reference.num_heads != ours.num_heads:
+        raise ValueError(
+            f"reference has embed_dim={reference.embed_dim}, "
+            f"num_heads={reference.num_heads}; "
+            f"this module has d_model={ours.d_model}, num_heads={ours.num_heads}"
+        )
+    if ours.k_proj.out_features != ours.d_model or hasattr(ours, "q_norm"):
+        raise ValueError(
+            "nn.MultiheadAttention has neither grouped keys and values nor "
+            "QK-norm: load it into a plain MultiHeadAttention"
+        )
+    if not reference._qkv_same_embed_dim:
+        raise ValueError("reference must have kdim == vdim == embed_dim")
+    if reference.bias_k is not None or reference.add_zero_attn:
+        raise ValueError(
+            "reference has add_bias_kv=True or add_zero_attn=True (an extra key "
+            "and value this module does not have): build it with both False"
+        )
+    if (reference.in_proj_bias is None) != (ours.q_proj.bias is None):
+        has_bias = reference.in_proj_bias is not None
+        raise ValueError(
+            f"reference has bias={has_bias}; this module has bias={not has_bias}"
+        )
+    projections = (ours.q_proj, ours.k_proj, ours.v_proj)
+    for proj, w in zip(projections, reference.in_proj_weight.chunk(3), strict=True):
+        proj.weight.copy_(w)
+    if reference.in_proj_bias is not None:
+        for proj, b in zip(projections, reference.in_proj_bias.chunk(3), strict=True):
+            proj.bias.copy_(b)
+    ours.out_proj.load_state_dict(reference.out_proj.state_dict())
+    return ours
 
 
 class WideMultiHeadAttention(nn.Module):
@@ -279,20 +230,11 @@ class WideMultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, num_heads * d_model, bias=bias)
         self.out_proj = nn.Linear(num_heads * d_model, d_model, bias=bias)
 
-    _check_inputs = MultiHeadAttention._check_inputs
-
     def forward(
-        self,
-        query,
-        key,
-        value,
-        mask=None,
-        *,
-        key_padding_mask=None,
-        need_weights=True,
-        is_causal=False,
+        self, query, key, value, mask=None, *, key_padding_mask=None, **options
     ):
-        self._check_inputs(query, key, value)
+        """``options``: ``need_weights``, ``is_causal``."""
+        check_attention_inputs(self.d_model, query, key, value)
         h = self.num_heads
         q = split_heads(self.q_proj(query), h)  # (B, h, Tq, d)
         k = split_heads(self.k_proj(key), h)  # (B, h, Tk, d)
@@ -300,74 +242,32 @@ class WideMultiHeadAttention(nn.Module):
         mask = attention_mask_for_heads(
             mask, key_padding_mask, query.shape[0], query.shape[1], key.shape[1]
         )
-        out, weights = scaled_dot_product_attention(
-            q, k, v, mask, need_weights=need_weights, is_causal=is_causal
-        )
+        out, weights = scaled_dot_product_attention(q, k, v, mask, **options)
         return self.out_proj(merge_heads(out)), weights
 
 
 class RotaryMultiHeadAttention(MultiHeadAttention):
-    """:class:`MultiHeadAttention` with rotary position embedding (RoPE) applied to each
-    head's queries and keys, so the scores depend on relative position only. Same
-    arguments and shapes.
+    """:class:`MultiHeadAttention` with rotary position embedding (RoPE, chapter 4):
+    each head's queries and keys rotated by their positions, so the scores depend on
+    relative position only. Same arguments and shapes, plus ``rope_base``, the base of
+    the angles ``theta_i = base^(-2i/d)`` (10000; Llama 3's 500000).
 
-    ``rope_base`` is the base of the angles ``theta_i = base^(-2i/d)`` (10000, Llama 3's
-    500000). :meth:`set_rope_scaling` stretches the rotations for inputs longer than the
-    trained length (``scale``, ``method``, ``original_length`` as in
-    :func:`~attnbook.positions.rope_angles`); the default, ``scale=1.0``, is plain
-    RoPE."""
+    ``rotary`` (a :class:`~attnbook.positions.Rotary`) rotates them;
+    ``rotary.set_scaling`` stretches the rotation for inputs longer than the trained
+    length (chapter 13)."""
 
-    rope_scale, rope_method, rope_original_length = 1.0, "linear", None
+    def __init__(self, d_model, num_heads, bias=True, dropout=0.0, *, rope_base=1e4):
+        super().__init__(d_model, num_heads, bias, dropout)
+        self.rotary = Rotary(rope_base)
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        bias: bool = True,
-        dropout: float = 0.0,
-        *,
-        rope_base: float = 10000.0,
-        **options,
-    ):
-        # options: MultiHeadAttention's num_kv_heads, qk_norm, qk_norm_eps
-        super().__init__(d_model, num_heads, bias, dropout, **options)
-        if (
-            isinstance(rope_base, bool)
-            or not isinstance(rope_base, (int, float))
-            or not 1 < rope_base < float("inf")
-        ):
-            raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
-        self.rope_base = float(rope_base)
+    @property
+    def rope_base(self) -> float:
+        return self.rotary.base
 
-    def set_rope_scaling(
-        self,
-        scale: float = 1.0,
-        method: str = "linear",
-        original_length: int | None = None,
-    ):
-        """Use RoPE scaled by ``scale`` with ``method`` from now on (``scale=1.0`` turns
-        it off)."""
-        scale, original_length = _check_rope_scaling(scale, method, original_length)
-        self.rope_scale, self.rope_method, self.rope_original_length = (
-            scale,
-            method,
-            original_length,
-        )
-        return self
-
-    def project_queries_keys(self, q, k, start):
+    def encode_positions(self, q, k, start):
         if q.shape[2] != k.shape[2]:
             raise ValueError(
                 "RotaryMultiHeadAttention is for self-attention (queries and keys from "
                 "one sequence)"
             )
-        scaling = {}  # plain RoPE
-        if self.rope_scale != 1.0:
-            scaling = dict(
-                scale=self.rope_scale,
-                method=self.rope_method,
-                original_length=self.rope_original_length,
-            )
-        q = apply_rope(q, start, self.rope_base, **scaling)
-        k = apply_rope(k, start, self.rope_base, **scaling)
-        return q, k
+        return self.rotary(q, start), self.rotary(k, start)

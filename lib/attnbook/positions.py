@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .masks import key_minus_query
+from .masks import key_minus_query, sliding_window_mask
 from .utils import check_positive_int
 
 
@@ -37,6 +37,23 @@ def sinusoidal_encoding(n: int, d: int, base: float = 10000.0) -> torch.Tensor:
     table[:, 0::2] = torch.sin(position * frequency)
     table[:, 1::2] = torch.cos(position * frequency)
     return table.float()
+
+
+def _add_rows(table, x: torch.Tensor, start, has: str, remedy: str) -> torch.Tensor:
+    """``x (B, T, d)`` plus ``table``'s rows for positions ``start .. start + T - 1``
+    (``start`` a ``(B, T)`` tensor: each token's own position); a position past the
+    table raises, saying what the table ``has`` and the ``remedy`` (``{end}``: the
+    length asked for)."""
+    _check_positions_input(x, start, table.shape[1])
+    if isinstance(start, torch.Tensor):
+        return x + table[start].to(x.dtype)  # (B, T, d)
+    end = start + x.shape[1]
+    if end > table.shape[0]:
+        raise ValueError(
+            f"positions up to {end - 1} requested but {has} 0..{table.shape[0] - 1}; "
+            + remedy.format(end=end)
+        )
+    return x + table[start:end].to(x.dtype)  # (B, T, d)
 
 
 def _check_positions_input(x: torch.Tensor, start, d_model: int) -> None:
@@ -76,17 +93,8 @@ class SinusoidalPositions(nn.Module):
     def forward(self, x: torch.Tensor, start=0) -> torch.Tensor:
         """``x (B, T, d)`` plus the encoding of positions ``start .. start + T - 1``
         (``start`` may be a ``(B, T)`` tensor: each token's position)."""
-        _check_positions_input(x, start, self.d_model)
-        if isinstance(start, torch.Tensor):
-            return x + self.table[start].to(x.dtype)  # (B, T, d)
-        end = start + x.shape[1]
-        if end > self.max_len:
-            raise ValueError(
-                f"positions up to {end - 1} requested but this table was computed for "
-                f"0..{self.max_len - 1}; build "
-                f"SinusoidalPositions(d_model, max_len={end}) or more"
-            )
-        return x + self.table[start:end].to(x.dtype)
+        remedy = "build SinusoidalPositions(d_model, max_len={end}) or more"
+        return _add_rows(self.table, x, start, "this table was computed for", remedy)
 
 
 class LearnedPositions(nn.Module):
@@ -111,18 +119,12 @@ class LearnedPositions(nn.Module):
     def forward(self, x: torch.Tensor, start=0) -> torch.Tensor:
         """``x (B, T, d)`` plus the rows of positions ``start .. start + T - 1``
         (``start`` may be a ``(B, T)`` tensor: each token's position)."""
-        _check_positions_input(x, start, self.table.shape[1])
-        if isinstance(start, torch.Tensor):
-            return x + self.table[start].to(x.dtype)  # (B, T, d)
-        end = start + x.shape[1]
-        if end > self.max_len:
-            raise ValueError(
-                f"positions up to {end - 1} requested but the learned table has rows "
-                f"only for 0..{self.max_len - 1}; "
-                "extend the table (LearnedPositions.extend) or interpolate it "
-                "(interpolate_grid)"
-            )
-        return x + self.table[start:end].to(x.dtype)
+        remedy = (
+            "extend the table (LearnedPositions.extend) or interpolate it "
+            "(interpolate_grid)"
+        )
+        has = "the learned table has rows only for"
+        return _add_rows(self.table, x, start, has, remedy)
 
     @torch.no_grad()
     def extend(self, new_max_len: int) -> None:
@@ -319,6 +321,70 @@ def apply_rope(
     return rotated.flatten(-2)  # (..., T, dim)
 
 
+class Rotary(nn.Module):
+    """RoPE as a module: :func:`apply_rope` with its ``base`` and its scaling for
+    inputs longer than the trained length, held in one place. No parameters.
+
+    ``forward(x (..., T, dim), start=0)`` rotates ``x``'s tokens as positions ``start
+    ..``. :meth:`set_scaling` (``scale``, ``method``, ``original_length`` as in
+    :func:`rope_angles`) stretches every later rotation; ``scale=1.0`` (the default)
+    is plain RoPE."""
+
+    def __init__(self, base: float = 10000.0):
+        super().__init__()
+        if (
+            isinstance(base, bool)
+            or not isinstance(base, (int, float))
+            or not 1 < base < float("inf")
+        ):
+            raise ValueError(f"rope_base must be a number > 1, got {base!r}")
+        self.base = float(base)
+        self.scale, self.method, self.original_length = 1.0, "linear", None
+
+    def set_scaling(
+        self,
+        scale: float = 1.0,
+        method: str = "linear",
+        original_length: int | None = None,
+    ) -> Rotary:
+        """Rotate with RoPE scaled by ``scale`` with ``method`` from now on."""
+        self.scale, self.original_length = _check_rope_scaling(
+            scale, method, original_length
+        )
+        self.method = method
+        return self
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        scaling = dict(
+            scale=self.scale, method=self.method, original_length=self.original_length
+        )
+        return apply_rope(x, start, self.base, **scaling)  # (..., T, dim)
+
+    def extra_repr(self) -> str:
+        scaled = "" if self.scale == 1.0 else f", scale={self.scale}, {self.method}"
+        return f"base={self.base}{scaled}"
+
+
+def scale_rope(
+    model: nn.Module,
+    scale: float = 1.0,
+    method: str = "linear",
+    original_length: int | None = None,
+) -> nn.Module:
+    """Stretch the RoPE of every :class:`Rotary` in ``model`` (see
+    :meth:`Rotary.set_scaling`; ``scale=1.0`` undoes it); returns ``model``. A model
+    without RoPE raises."""
+    rotaries = [module for module in model.modules() if isinstance(module, Rotary)]
+    if not rotaries:
+        raise ValueError(
+            f"set_rope_scaling needs a model with RoPE (positions='rope'), "
+            f"{type(model).__name__} has none"
+        )
+    for rotary in rotaries:
+        rotary.set_scaling(scale, method, original_length)
+    return model
+
+
 def rope_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -418,6 +484,34 @@ def alibi_bias(
     return slopes[:, None, None] * offset.float()
 
 
+def decoder_attention_mask(
+    query_len: int,
+    key_len: int,
+    *,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    alibi_heads: int | None = None,
+    device=None,
+):
+    """The mask a decoder's layers add to causal attention for ``query_len`` new
+    queries over ``key_len`` keys (aligned to the bottom right): ``None`` (causal
+    attention alone), with ``window`` the bool :func:`~attnbook.masks.
+    sliding_window_mask` (``sink_tokens`` of its keys attention sinks), with
+    ``alibi_heads`` ALiBi's bias ``(1, h, Tq, Tk)``, or the bias at ``-inf`` outside
+    the window."""
+    if window is None and alibi_heads is None:
+        return None
+    mask = None
+    if window is not None:  # (Tq, Tk) bool
+        mask = sliding_window_mask(
+            query_len, key_len, window, sink_tokens=sink_tokens, device=device
+        )
+    if alibi_heads is None:
+        return mask
+    bias = alibi_bias(alibi_heads, query_len, key_len, device=device)[None]
+    return bias if mask is None else bias.masked_fill(mask, float("-inf"))
+
+
 def sinusoidal_shift_matrix(k: int, d: int, base: float = 10000.0) -> torch.Tensor:
     """The fixed ``(d, d)`` block-rotation ``M_k`` with ``PE[p + k] = PE[p] @ M_k.T``
     for every ``p``."""
@@ -434,14 +528,17 @@ def sinusoidal_shift_matrix(k: int, d: int, base: float = 10000.0) -> torch.Tens
 
 __all__ = [
     "LearnedPositions",
+    "Rotary",
     "SinusoidalPositions",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
+    "decoder_attention_mask",
     "interpolate_grid",
     "log_length_scale",
     "rope_angles",
     "rope_scores",
+    "scale_rope",
     "sinusoidal_encoding",
     "sinusoidal_shift_matrix",
     "yarn_attention_factor",

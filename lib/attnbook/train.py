@@ -129,6 +129,35 @@ def make_optimizer(
     )
 
 
+def _batch_source(batches, steps: int) -> Callable[[], Any]:
+    """``batches`` as a function that gives the next batch: a callable as it is, an
+    iterable's batches in turn (one that runs out before ``steps`` raises, saying
+    after how many)."""
+    if callable(batches):
+        return batches
+    try:
+        iterator = iter(batches)
+    except TypeError:
+        raise TypeError(
+            f"batches must be a callable or an iterable, got {type(batches).__name__}"
+        ) from None
+    given = 0
+
+    def next_batch():
+        nonlocal given
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise ValueError(
+                f"batches ran out after {given} of {steps} steps; pass a callable or "
+                "an iterable with at least `steps` batches"
+            ) from None
+        given += 1
+        return batch
+
+    return next_batch
+
+
 def train(
     model: nn.Module,
     batches: Callable[[], Any] | Iterable[Any],
@@ -167,27 +196,7 @@ def train(
         raise ValueError(f"warmup must be an int in [0, steps={steps}), got {warmup!r}")
     if eval_every is not None:
         eval_every = check_positive_int("eval_every", eval_every)
-    if callable(batches):
-        next_batch = batches
-    else:
-        try:
-            iterator = iter(batches)
-        except TypeError:
-            raise TypeError(
-                "batches must be a callable or an iterable, got "
-                f"{type(batches).__name__}"
-            ) from None
-
-        def next_batch():
-            try:
-                return next(iterator)
-            except StopIteration:
-                raise ValueError(
-                    f"batches ran out after {step} of {steps} steps; pass a callable "
-                    "or an iterable with at least `steps` "
-                    "batches"
-                ) from None
-
+    next_batch = _batch_source(batches, steps)
     if device is not None:
         model.to(device)
     device = next(model.parameters()).device
