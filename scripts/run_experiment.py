@@ -84,11 +84,25 @@ def task_key(point: dict, seed: int) -> str:
 
 # --- one run, in a worker process -----------------------------------------------------------------
 
-def _init_worker() -> None:
+IMPORTED: dict[str, str] = {}  # in a worker: every source file as it was when imported
+
+
+def _init_worker(name: str, folder: str) -> None:
+    """A worker: one thread, no seed offset, the experiment imported, and the text of every source
+    file it may run kept as imported (the runs' code hashes come from it, not from the disk, which
+    may change while the workers run)."""
     import torch
 
     os.environ.pop("ATTNBOOK_SEED_OFFSET", None)  # the seeds as declared
     torch.set_num_threads(1)
+    load_module(name, Path(folder))
+    IMPORTED.update(source_texts(Path(folder)))
+
+
+def source_texts(folder: Path) -> dict[str, str]:
+    """The text of every Python file of the library and of ``folder``, by path relative to ROOT."""
+    files = [*LIBRARY.rglob("*.py"), *folder.resolve().glob("*.py")]
+    return {str(f.resolve().relative_to(ROOT)): f.read_text() for f in files}
 
 
 def _run_task(name: str, folder: str, point: dict, seed: int) -> dict:
@@ -119,7 +133,7 @@ def _run_task(name: str, folder: str, point: dict, seed: int) -> dict:
     from attnbook.experiments import current_units
 
     return {"point": point, "seed": seed, "metrics": metrics, "seconds": round(seconds, 3),
-            "code": code, "units": current_units(code, ROOT)}
+            "code": code, "units": current_units(code, ROOT, IMPORTED or None)}
 
 
 def _inside(path: Path, folders) -> bool:
@@ -155,6 +169,12 @@ def write_record(name: str, module, done: dict, jobs: int, sessions: list[dict],
     from attnbook.experiments import current_units, fingerprint
 
     runs = [done[task_key(point, seed)] for point, seed in tasks_of(module)]
+    changed = sorted({f"{file}: {unit}" for run in runs
+                      for file, units in current_units(run["code"], ROOT).items()
+                      for unit, digest in units.items() if run["units"][file].get(unit) != digest})
+    if changed:
+        raise RuntimeError(f"the code changed while {name} ran ({'; '.join(changed)}): the runs of the "
+                           f"code as it is now are kept; run `make experiment NAME={name}` again")
     code: dict[str, set[str]] = {str((folder / f"{name}.py").resolve().relative_to(ROOT)): set()}
     for run in runs:
         for file, names in run["code"].items():
@@ -222,7 +242,8 @@ def run_experiment(name: str, jobs: int = 2, restart: bool = False, folder: Path
     start = time.perf_counter()
     failed = []
     with open(partial, "a") as log, ProcessPoolExecutor(
-        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+        initargs=(name, str(folder)),
     ) as pool, bar(
         total=round(total_cost), initial=round(sum(float(cost(d["point"])) for d in done.values())),
         desc=f"{name}: {len(todo)} runs", unit=" cost", disable=not progress,

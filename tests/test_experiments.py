@@ -188,6 +188,17 @@ def test_the_runner_refuses_a_malformed_experiment(toy_folder, source, message):
         run_experiment.load_module("nothing", toy_folder)
 
 
+def test_a_record_is_refused_when_the_code_changed_while_it_ran(toy_folder):
+    # the first run edits the experiment's file on disk: the workers still run the code they imported
+    edit = ("    from pathlib import Path\n    f = Path(__file__)\n"
+            "    f.write_text(f.read_text().replace('+ seed}', '+ 2 * seed}'))\n")
+    (toy_folder / "toy.py").write_text(TOY.replace("    return {", edit + "    return {"))
+    with pytest.raises(RuntimeError, match="the code changed while toy ran .*toy.py: run"):
+        run_experiment.run_experiment("toy", jobs=1, folder=toy_folder, partial_folder=toy_folder,
+                                      progress=False)
+    assert not (toy_folder / "toy.json").exists()
+
+
 def test_a_failing_run_is_reported_and_the_others_kept(toy_folder):
     (toy_folder / "toy.py").write_text(TOY.replace("    return {", "    assert point['n'] == 2\n    return {"))
     with pytest.raises(RuntimeError, match="2 run\\(s\\) of toy raised"):

@@ -81,15 +81,18 @@ def _named_parts(qualname: str) -> list[str]:
     return parts
 
 
-def code_units(path: Path | str, qualnames) -> dict[str, str]:
+def code_units(
+    path: Path | str, qualnames, source: str | None = None
+) -> dict[str, str]:
     """A hash of each piece of ``path``'s code that ``qualnames`` (functions that ran,
     as ``co_qualname`` names them) depend on: each named function's definition (its
     docstring left out), the statements of each class that holds one (other than its
     methods), and the module's own statements (other than its functions and classes):
     ``{"Class.method": hash, "Class": hash, "<module>": hash}``. A function that is no
     longer there hashes as ``"gone"``. Comments, docstrings and code elsewhere in the
-    file do not count."""
-    tree = ast.parse(Path(path).read_text())
+    file do not count. ``source``: the file's text as it was imported (default: as it
+    is on disk now)."""
+    tree = ast.parse(Path(path).read_text() if source is None else source)
 
     def digest(node) -> str:
         text = ast.dump(_strip_docstring(copy.deepcopy(node)), include_attributes=False)
@@ -133,12 +136,17 @@ def fingerprint(code: dict, root: Path | str = ROOT) -> str:
     ).hexdigest()
 
 
-def current_units(code: dict, root: Path | str = ROOT) -> dict[str, dict[str, str]]:
+def current_units(
+    code: dict, root: Path | str = ROOT, sources: dict | None = None
+) -> dict[str, dict[str, str]]:
     """:func:`code_units` of every file of ``code`` (file -> qualnames), as the files
-    are now."""
+    are now, or as ``sources`` (file -> text) holds them."""
     units = {}
     for name in sorted(code):
         path = Path(root) / name
+        if sources is not None and name in sources:
+            units[name] = code_units(path, code[name], sources[name])
+            continue
         if not path.is_file():
             raise FileNotFoundError(f"a recorded experiment ran {name}, which is gone")
         units[name] = code_units(path, code[name])
