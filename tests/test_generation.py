@@ -1147,3 +1147,13 @@ def test_top_k_keeps_exactly_k_when_tokens_tie_at_the_border():
     probabilities = sampling_probabilities(logits, top_k=2)
     assert (probabilities > 0).sum() == 2
     torch.testing.assert_close(probabilities.sum(), torch.tensor(1.0))
+
+
+def test_sampling_with_top_k_draws_from_k_tokens_whatever_the_ties():
+    """Drawn many times with top_k=2, from logits where four tokens tie for second: two tokens
+    appear, the best one with probability e / (e + 1)."""
+    logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 2.0, 1.0]).expand(4000, -1)
+    drawn = next_token(logits, 1.0, torch.Generator().manual_seed(0), top_k=2)
+    assert len(drawn.unique()) == 2 and 0 in drawn.tolist()
+    share = (drawn == 0).float().mean().item()
+    assert abs(share - math.e / (math.e + 1)) < 0.03
