@@ -70,6 +70,8 @@ profile that explains the generation figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import os
 import platform
@@ -678,11 +680,12 @@ def transformers_smollm2():
         from transformers.utils import logging
 
         logging.set_verbosity_error()
-        logging.disable_progress_bar()  # its reader's bars
         path = smollm2_path()
-        model = LlamaForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        # its GGUF reader draws a progress bar on stderr
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = LlamaForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            ).eval()
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.pad_token_id = None, 0
     config.do_sample, config.num_beams, config.use_cache = False, 1, True

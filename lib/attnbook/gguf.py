@@ -34,11 +34,11 @@ reads a GGUF. Our layout is llama.cpp's: the rows are copied as the file has the
 parsing the 49,152 tokens and 48,900 merges of the metadata). The first load writes
 the float32 weights, the GPT's arguments and the tokenizer to
 ``$XDG_CACHE_HOME/attnbook/gguf/`` (default ``~/.cache/attnbook/gguf/``), one
-safetensors file per GGUF path, marked with the GGUF's size and modification time and
-a checksum of every tensor; a later load reads that file instead (a second or two). A
-cache whose marks differ (the GGUF changed) or that cannot be read back (truncated,
-checksums wrong) is rebuilt; a cache directory that cannot be written only costs the
-speed (a warning says so).
+safetensors file per GGUF path (540 MB for SmolLM2), marked with the GGUF's size and
+modification time and a checksum of every tensor; a later load reads that file instead
+(a second or two). A cache whose marks differ (the GGUF changed) or that cannot be read
+back (truncated, checksums wrong) is rebuilt; a cache directory that cannot be written
+only costs the speed (a warning says so).
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ MODEL_TENSORS = {  # the others
     "output_norm": "final_norm",
     "output": "lm_head",
 }
-_TOKEN_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 
 
 # --- reading the file ---------------------------------------------------------------
