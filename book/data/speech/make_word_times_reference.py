@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 import whisper as openai_whisper
+from attnbook import audio, whisper
 from whisper.model import ModelDimensions
 from whisper.model import Whisper as OpenAIWhisper
 from whisper.timing import find_alignment, merge_punctuations
-
-from attnbook import audio, whisper
 
 HERE = Path(__file__).resolve().parent
 

@@ -299,7 +299,8 @@ class Transcriber:
         attempts = []
         for temperature in temperatures:
             if temperature == 0 and beam_size > 1:
-                attempts.append(self.decode_beam(audio, sample_rate, beam_size=beam_size))
+                beam = self.decode_beam(audio, sample_rate, beam_size=beam_size)
+                attempts.append(beam)
             else:
                 draws = [
                     self.decode(
