@@ -233,14 +233,17 @@ def test_the_avx2_family_computes_otherwise_on_an_avx512_cpu():
 
 
 def write_load_notebook(path: Path, timed: bool) -> Path:
-    # prints how many load processes are running while it runs
+    # prints how many load processes this test's process started are running while it runs
+    # (children of this process only: a sweep elsewhere on the machine runs loads of its own)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "from pathlib import Path\n"
         "loads = 0\n"
         "for cmd in Path('/proc').glob('[0-9]*/cmdline'):\n"
         "    try:\n"
-        "        loads += 'a /= np.abs(a).max()' in cmd.read_text()\n"
-        "    except OSError:\n"
+        "        parent = (cmd.parent / 'stat').read_text().rsplit(')', 1)[1].split()[1]\n"
+        f"        ours = parent == '{os.getpid()}'\n"
+        "        loads += ours and 'a /= np.abs(a).max()' in cmd.read_text()\n"
+        "    except (OSError, IndexError):\n"
         "        pass\n"
         "print(loads)")])
     if timed:

@@ -598,8 +598,8 @@ class SmallResNet(nn.Module):
 __all__ = [
     "PatchEmbedding",
     "ResidualBlock",
-    "SmallResNet",
     "SincosPositions2D",
+    "SmallResNet",
     "ViT",
     "attention_rollout",
     "mean_attention_distance",
