@@ -105,6 +105,7 @@ from .positions import (
     sinusoidal_encoding,
     yarn_attention_factor,
 )
+from .prose import bound_phrase, count_phrase, more_or_less, percent_phrase
 from .speech import CTCModel, Seq2SeqSpeechModel
 from .ssm import MambaBlock
 from .utils import (
@@ -163,9 +164,11 @@ __all__ = [
     "audio",
     "beam_search",
     "bert",
+    "bound_phrase",
     "causal_mask",
     "combine_masks",
     "cost",
+    "count_phrase",
     "ctc",
     "ctc_best_alignment",
     "ctc_log_alpha",
@@ -195,10 +198,12 @@ __all__ = [
     "merge_heads",
     "metrics",
     "modern",
+    "more_or_less",
     "next_token",
     "on_gpu",
     "padding_mask",
     "paged_memory_waste",
+    "percent_phrase",
     "previous_token_score",
     "progress",
     "quantize_kv",
