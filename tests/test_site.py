@@ -1,7 +1,8 @@
 """Browser test of the built book (``_build/html``): what a reader sees, checked page by page.
 
-Headless Chromium (Debian's ``chromium``) loads every page of the built site from disk, with the
-network cut off, and dumps the DOM after the page's scripts (MathJax) have run. For each page:
+Headless Chromium (Debian's ``chromium``), driven over the DevTools protocol (``DevTools``), loads
+every page of the built site from disk once, with the network cut off, takes its DOM after the
+page's scripts (MathJax) have run, and lays the page out at three widths. For each page:
 
 - MathJax rendered every formula: each ``.math`` element holds an ``mjx-container``, there is no
   MathJax error, and no raw TeX is left in the visible text: no ``$...$``, ``$$...$$``,
@@ -13,28 +14,36 @@ network cut off, and dumps the DOM after the page's scripts (MathJax) have run. 
   system message, no JavaScript error or failed resource load;
 - every internal link resolves: the target file exists and the ``#fragment`` is an id in it;
 - nothing comes from the network: every ``<script src>``, ``<link href>`` and ``<img src>`` is
-  local (and exists), and Chromium's network log shows no request made by the page.
-- the layout a reader meets (pages at 1,280 px): every figure is shown wide enough that its
-  10-pt text stays readable; library listings keep their lines (they scroll sideways, as code
-  cells do) while printed output wraps; on a phone (09_vit at Chromium's narrowest window) the
-  same holds; from 1,500 px the in-page contents are back beside the column; the Key ideas page's
-  formulas table links every chapter of Parts I and II that has a formula.
+  local (and exists), and Chromium saw no request of the page go to the network.
+- the layout a reader meets, on a phone (390 px), a laptop (1,280 px) and a wide screen
+  (1,600 px), measured in the page at each width (``LAYOUT_PROBE``). At every width the page never scrolls sideways (what
+  sticks out is named), no formula is cut off at the column's edge (one wider than the column
+  scrolls) and no formula that fits carries a scroll bar, library listings keep their lines, and
+  the page's in-page contents can be reached: beside the column, or behind a visible button that
+  opens it (the test clicks it). On the phone printed output keeps its lines and scrolls sideways
+  (a table stays a table); from 960 px, where the column holds the book's 88-character lines, it
+  wraps. At 1,280 px every figure is shown wide enough that its 10-pt text stays readable. The
+  Key ideas page's formulas table links every chapter of Parts I and II that has a formula.
 
 The test fails (it does not skip) when the site is not built or Chromium is missing; set
 ``ATTNBOOK_SKIP_SITE=1`` to skip it on purpose. The checker functions are tested at the bottom of
-this file on crafted HTML, so a checker that stops catching its problem fails too.
+this file on crafted HTML (the layout probe on a crafted page in Chromium), so a checker that
+stops catching its problem fails too.
 
 Build the site first: ``make book`` (``make test`` runs this file after the build).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
@@ -333,21 +342,19 @@ def network_requests(netlog: dict) -> list[str]:
     return urls
 
 
-# What a reader sees laid out, from the probe's ``data-layout`` (see PROBE_BODY).
+# What a reader sees laid out, as LAYOUT_PROBE measures it in the page at each width.
 # Matplotlib draws the book's figures at 100 dpi, so their 10-pt text is 10 / 72 * 100 = 13.9 px tall
 # at full size; shown narrower than drawn, it shrinks in proportion. Under 9 px it is hard to read.
 FIGURE_TEXT_PX = 10 / 72 * 100
 MIN_TEXT_PX = 9.0
 
 
-def layout_of(rendered_html: str) -> dict:
-    """The layout the probe recorded on a rendered page: ``{"viewport", "figures": [{"src",
-    "natural", "shown"}], "blocks": [{"listing", "whiteSpace", "scrolls"}], "contents"}`` (the
-    number of links in the in-page contents bar, 0 when it is hidden)."""
-    html_el = (parse_html(rendered_html).find_all("html") or [Element("html", {})])[0]
-    if "data-layout" not in html_el.attrs:
-        raise ValueError("the page carries no layout probe (data-layout)")
-    return json.loads(html_el.attrs["data-layout"])
+# The widths the layout is checked at (CSS pixels): a phone, a laptop, a wide screen. From
+# WRAP_FROM px the column holds the book's 88-character lines, and printed output wraps there
+# (book.css); below it printed output keeps its lines and scrolls sideways.
+WIDTHS = (1280, 1600, 390)  # the phone last: the switch to a phone's viewport costs a full relayout
+PHONE = 390
+WRAP_FROM = 960
 
 
 def figure_problems(layout: dict) -> list[str]:
@@ -367,16 +374,65 @@ def figure_problems(layout: dict) -> list[str]:
     return problems
 
 
-def wrap_problems(layout: dict) -> list[str]:
-    """A library listing (a code block in a cell's output) keeps its lines and scrolls sideways, as a
-    code cell does; printed output wraps at the column."""
+def page_scroll_problems(layout: dict) -> list[str]:
+    """The page scrolls sideways: the document is wider than the window (naming what sticks out)."""
+    if layout["scrollWidth"] <= layout["viewport"] + 1:
+        return []
+    return [f"the page scrolls sideways: {layout['scrollWidth']} px wide in a {layout['viewport']} px window; "
+            f"sticking out: {'; '.join(layout['overflow']) or 'nothing found'}"]
+
+
+def output_problems(layout: dict) -> list[str]:
+    """A library listing (a code block in a cell's output) keeps its lines at every width, as a code
+    cell does. Printed output keeps its lines too below WRAP_FROM px and scrolls sideways when it is
+    wider than the column (a table stays a table; nothing is cut off); from WRAP_FROM px it wraps at
+    the column."""
     problems = []
+    wraps = layout["viewport"] >= WRAP_FROM
     for block in layout["blocks"]:
-        if block["listing"] and block["whiteSpace"] != "pre":
-            problems.append(f"a listing wraps its lines (white-space: {block['whiteSpace']})")
-        elif not block["listing"] and block["whiteSpace"] != "pre-wrap":
-            problems.append(f"printed output does not wrap (white-space: {block['whiteSpace']})")
+        what = f"{'a listing' if block['listing'] else 'printed output'} {block['text']!r}"
+        if block["listing"] or not wraps:
+            if block["whiteSpace"] != "pre":
+                problems.append(f"{what} wraps its lines (white-space: {block['whiteSpace']})")
+            elif block["wider"] and block["overflowX"] not in ("auto", "scroll"):
+                problems.append(f"{what} is wider than the column and cut off (overflow-x: {block['overflowX']})")
+        elif block["whiteSpace"] != "pre-wrap":
+            problems.append(f"{what} does not wrap at the column (white-space: {block['whiteSpace']})")
     return problems
+
+
+def formula_problems(layout: dict) -> list[str]:
+    """Formulas wider than their box that are cut off instead of scrolling, and formulas that fit
+    but carry a scroll bar anyway."""
+    problems = []
+    for formula in layout["formulas"]:
+        if formula["cut"]:
+            problems.append(f"formula {formula['text']!r} is cut off at the column's edge (no scroll bar)")
+        if formula["needlessBar"]:
+            problems.append(f"formula {formula['text']!r} fits its line but carries a scroll bar")
+    return problems
+
+
+def contents_links(html: str) -> int:
+    """The number of top-level entries (a link each) in a page's in-page contents (the theme's
+    ``nav.page-toc``), as Sphinx wrote them; 0 for a page without sections. (The entries below
+    them unfold as the reader scrolls into their section.)"""
+    count = 0
+    for nav in parse_html(html).find_all("nav"):
+        if "page-toc" in nav.classes:
+            for ul in (child for child in nav.children if isinstance(child, Element) and child.tag == "ul"):
+                for li in (child for child in ul.children if isinstance(child, Element) and child.tag == "li"):
+                    count += any(isinstance(c, Element) and c.tag == "a" for c in li.children)
+    return count
+
+
+def contents_problems(layout: dict, expected: int) -> list[str]:
+    """The page's in-page contents cannot be reached: fewer of its ``expected`` links are on screen
+    beside the column, or in the panel its button opens, than Sphinx wrote."""
+    contents = layout["contents"]
+    if expected and contents["links"] < expected:
+        return [f"in-page contents: {contents['links']} of its {expected} links can be reached ({contents['how']})"]
+    return []
 
 
 def formula_table_problems(key_ideas_html: str, chapters: set[str]) -> list[str]:
@@ -394,9 +450,9 @@ def formula_table_problems(key_ideas_html: str, chapters: set[str]) -> list[str]
 # Loading the pages in Chromium
 # ---------------------------------------------------------------------------------------------
 
-# Put at the top of <head>: records JavaScript errors and failed loads of scripts, stylesheets
-# and images; at the end of <body>: records every image's naturalWidth once the page has loaded.
-PROBE_HEAD = """<script>(function () {
+# Run in every page before its own scripts: records JavaScript errors and failed loads of scripts,
+# stylesheets and images on the <html> element (``data-page-errors``, read by error_problems).
+ERROR_PROBE = """(function () {
   var errors = [];
   function note(text) {
     errors.push(text);
@@ -410,27 +466,33 @@ PROBE_HEAD = """<script>(function () {
   window.addEventListener("unhandledrejection", function (event) {
     note("unhandled promise rejection: " + event.reason);
   });
-})();</script>"""
-PROBE_BODY = """<script>window.addEventListener("load", function () {
+})();"""
+# Run in the page once it has loaded: waits (at most 20 s) for MathJax's formulas and the fonts,
+# and records every image's naturalWidth (read by image_problems).
+SETTLE = """(async function () {
+  var ready = (async function () {
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+    await document.fonts.ready;
+  })();
+  await Promise.race([ready, new Promise(function (done) { setTimeout(done, 20000); })]);
   document.querySelectorAll("img").forEach(function (img) {
     img.setAttribute("data-natural-width", img.complete ? img.naturalWidth : 0);
   });
-  var figures = [], blocks = [];  // the layout, for the checks of what a reader sees
-  document.querySelectorAll("article img").forEach(function (img) {
-    figures.push({src: img.getAttribute("src"), natural: img.naturalWidth,
-                  shown: img.getBoundingClientRect().width});
-  });
-  document.querySelectorAll("div.cell_output pre").forEach(function (pre) {
-    blocks.push({listing: !pre.closest(".output"), whiteSpace: getComputedStyle(pre).whiteSpace,
-                 scrolls: pre.scrollWidth > pre.clientWidth + 1});
-  });
-  var bar = document.querySelector(".bd-sidebar-secondary");
-  var shown = bar && getComputedStyle(bar).display !== "none" && bar.getBoundingClientRect().width > 0;
-  document.documentElement.setAttribute("data-layout", JSON.stringify({
-    viewport: window.innerWidth, figures: figures, blocks: blocks,
-    contents: shown ? bar.querySelectorAll("nav.page-toc a").length : 0}));
-});</script>"""
+})()"""
 WINDOW = (1280, 1000)  # the window every page is loaded in: a laptop's screen, in CSS pixels
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--allow-file-access-from-files",
+    "--host-resolver-rules=MAP * ~NOTFOUND",  # no name resolves: the page must need no network
+)
 
 
 def find_chromium() -> str | None:
@@ -460,61 +522,29 @@ def is_redirect(html: str) -> bool:
     return any(meta.attrs.get("http-equiv", "").lower() == "refresh" for meta in parse_html(html).find_all("meta"))
 
 
-def _with_probes(html: str) -> str:
-    html = re.sub(r"(<head[^>]*>)", lambda m: m.group(1) + PROBE_HEAD, html, count=1, flags=re.I)
-    return re.sub(r"(</body>)", lambda m: PROBE_BODY + m.group(1), html, count=1, flags=re.I)
-
-
-def mirror_with_probes(site: Path, dest: Path, pages: list[str]) -> None:
-    """A copy of ``site`` under ``dest`` in which each page carries the probe scripts; everything
-    else is a symbolic link into ``site``, so the built site itself is never modified."""
-    page_set = {Path(p) for p in pages}
-    for dirpath, dirnames, filenames in os.walk(site):
-        rel = Path(dirpath).relative_to(site)
-        (dest / rel).mkdir(parents=True, exist_ok=True)
-        keep = []
-        for name in dirnames:
-            sub = rel / name
-            if any(sub in p.parents for p in page_set):
-                keep.append(name)
-            else:
-                (dest / sub).symlink_to(site / sub, target_is_directory=True)
-        dirnames[:] = keep
-        for name in filenames:
-            sub = rel / name
-            if sub in page_set:
-                (dest / sub).write_text(_with_probes((site / sub).read_text(encoding="utf-8")), encoding="utf-8")
-            else:
-                (dest / sub).symlink_to(site / sub)
-
-
 @dataclass
 class Rendered:
+    """A page as Chromium showed it: its DOM (at 1,280 px), the network requests it made, its
+    layout at each of WIDTHS (``DevTools.read_page``), or the error that stopped the browser."""
+
     dom: str = ""
     requests: list[str] = field(default_factory=list)
     error: str = ""
+    layouts: dict[int, dict] = field(default_factory=dict)
 
 
 def render(
     chromium: str, page_file: Path, workdir: Path, window: tuple[int, int] = WINDOW, query: str = ""
 ) -> Rendered:
     """Load one page in headless Chromium (a ``window`` of width, height CSS pixels; ``query``
-    appended to its URL), network cut off; return its DOM and network requests."""
+    appended to its URL), network cut off; return its DOM and network requests. One process a
+    page, ``--dump-dom`` after 5 s of the page's own (virtual) time: for a page that works on
+    after it has loaded (the search page); ``DevTools`` loads the book's pages."""
     profile = Path(tempfile.mkdtemp(prefix="profile-", dir=workdir))
     netlog = profile.with_suffix(".netlog.json")
     command = [
         chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--allow-file-access-from-files",
-        "--host-resolver-rules=MAP * ~NOTFOUND",  # no name resolves: the page must need no network
+        *CHROMIUM_FLAGS,
         f"--log-net-log={netlog}",
         f"--user-data-dir={profile}",
         f"--window-size={window[0]},{window[1]}",
@@ -533,6 +563,254 @@ def render(
     except (OSError, json.JSONDecodeError) as error:
         return Rendered(error=f"Chromium's network log {netlog} is unreadable: {error}")
     return Rendered(dom=result.stdout, requests=requests)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring the layout at several widths: one Chromium over the DevTools protocol
+# ---------------------------------------------------------------------------------------------
+
+# Run in the page at each width (``width``: the window's width in CSS pixels) once its formulas and
+# fonts are in: what a reader meets there. See layout checkers above for what each field means.
+LAYOUT_PROBE = """async function (width) {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+  await document.fonts.ready;
+  await new Promise(function (done) { requestAnimationFrame(function () { requestAnimationFrame(done); }); });
+  var root = document.documentElement;
+  var viewport = Math.min(root.clientWidth, width);
+  function describe(el) {
+    var classes = typeof el.className === "string" ? el.className.trim().split(/\\s+/).slice(0, 2) : [];
+    var text = (el.textContent || "").replace(/\\s+/g, " ").trim().slice(0, 50);
+    return el.tagName.toLowerCase() + (classes[0] ? "." + classes.join(".") : "") + " " + JSON.stringify(text);
+  }
+  function shown(el) {  // laid out on the page: not hidden, not in a closed or fixed panel
+    for (var a = el; a && a !== root; a = a.parentElement) {
+      var style = getComputedStyle(a);
+      if (style.display === "none" || style.visibility === "hidden" || style.position === "fixed") return false;
+    }
+    return true;
+  }
+  function sticksOut(el) {  // past the window's right edge, and no box of its own clips it
+    var box = el.getBoundingClientRect();
+    if (box.width === 0 || box.right <= viewport + 1) return false;
+    for (var a = el.parentElement; a && a !== root; a = a.parentElement) {
+      if (getComputedStyle(a).overflowX !== "visible" && a.getBoundingClientRect().right <= viewport + 1) return false;
+    }
+    return shown(el);
+  }
+  var overflow = [];
+  if (root.scrollWidth > viewport + 1) {
+    document.querySelectorAll("body *").forEach(function (el) {
+      if (overflow.length < 5 && sticksOut(el) && !(el.parentElement && sticksOut(el.parentElement))) {
+        overflow.push(describe(el));
+      }
+    });
+  }
+  var blocks = Array.from(document.querySelectorAll("div.cell_output pre")).map(function (pre) {
+    var style = getComputedStyle(pre);
+    return {listing: !pre.closest(".output"), whiteSpace: style.whiteSpace, overflowX: style.overflowX,
+            wider: pre.scrollWidth > pre.clientWidth + 1,
+            text: pre.textContent.trim().split("\\n")[0].slice(0, 50)};
+  });
+  var formulas = [];
+  document.querySelectorAll("mjx-container").forEach(function (container) {
+    var math = container.querySelector("mjx-math");
+    if (!math || !shown(container)) return;
+    var clip = null;  // the nearest box that clips the formula (or scrolls it)
+    for (var a = math.parentElement; a && a !== root && !clip; a = a.parentElement) {
+      if (getComputedStyle(a).overflowX !== "visible") clip = a;
+    }
+    if (!clip) return;  // nothing clips it: if it is too wide, the page scrolls (checked above)
+    var box = math.getBoundingClientRect(), edge = clip.getBoundingClientRect();
+    var scrolls = /auto|scroll/.test(getComputedStyle(clip).overflowX);
+    var cut = !scrolls && (box.right > edge.right + 1 || box.left < edge.left - 1);
+    var needlessBar = scrolls && clip.scrollWidth > clip.clientWidth && box.width <= clip.clientWidth;
+    if (cut || needlessBar) {
+      var text = (container.querySelector("mjx-assistive-mml") || container).textContent;
+      formulas.push({text: text.replace(/\\s+/g, " ").trim().slice(0, 50), cut: cut, needlessBar: needlessBar});
+    }
+  });
+  var figures = Array.from(document.querySelectorAll("article img")).map(function (img) {
+    return {src: img.getAttribute("src"), natural: img.naturalWidth, shown: img.getBoundingClientRect().width};
+  });
+  // The in-page contents: its links on screen beside the column, or else in the panel that the
+  // visible "Contents" button opens (the button is clicked, the panel closed again).
+  function onScreen(el) {
+    var box = el.getBoundingClientRect();
+    return box.width > 0 && box.height > 0 && box.left >= -1 && box.right <= viewport + 1 &&
+      getComputedStyle(el).visibility !== "hidden";
+  }
+  function reachable(el) {
+    return el ? Array.from(el.querySelectorAll("nav.page-toc a")).filter(onScreen).length : 0;
+  }
+  var contents = {links: reachable(document.getElementById("pst-secondary-sidebar")), how: "beside the column"};
+  if (!contents.links) {
+    var button = Array.from(document.querySelectorAll(".secondary-toggle")).filter(onScreen)[0];
+    var panel = document.getElementById("pst-secondary-sidebar-modal");
+    contents.how = button ? "the panel its button opens" : "no contents beside the column, no button on screen";
+    if (button && panel) {
+      button.click();
+      var entries = document.querySelectorAll("nav.page-toc > ul > li > a").length;
+      for (var tries = 0; tries < 20 && contents.links < entries; tries++) {  // the panel slides in
+        await new Promise(function (done) { setTimeout(done, 50); });
+        contents.links = panel.open ? reachable(panel) : 0;
+      }
+      if (panel.open) panel.close();
+      await new Promise(function (done) { setTimeout(done, 0); });  // the panel's links go back
+    }
+  }
+  return {viewport: viewport, scrollWidth: root.scrollWidth, overflow: overflow, blocks: blocks,
+          formulas: formulas, figures: figures, contents: contents};
+}"""
+
+
+def _high_fd(fd: int) -> int:
+    """The same pipe end as ``fd`` on a descriptor number of 10 or more (``fd`` is closed)."""
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return high
+
+
+class DevTools:
+    """One headless Chromium, driven over the DevTools protocol on a pipe
+    (``--remote-debugging-pipe``: JSON messages ended by a NUL byte, which Chromium reads on its
+    file descriptor 3 and writes on 4). It loads page after page in one tab and lays a loaded page
+    out at several widths without loading it again. Offline like ``render``: no name resolves."""
+
+    def __init__(self, chromium: str, workdir: Path) -> None:
+        profile = Path(tempfile.mkdtemp(prefix="profile-", dir=workdir))
+        to_browser, self._commands = (_high_fd(fd) for fd in os.pipe())
+        self._replies, from_browser = (_high_fd(fd) for fd in os.pipe())
+        # Bash hands Chromium the two pipes as its descriptors 3 and 4 (no preexec_fn: the
+        # browsers are started from threads); the pipes sit above 9, clear of 3 and 4.
+        shell = f'exec "$0" "$@" 3<&{to_browser} 4>&{from_browser} {to_browser}<&- {from_browser}>&-'
+        self.process = subprocess.Popen(
+            ["/bin/bash", "-c", shell, chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+             "--remote-debugging-pipe", "about:blank"],
+            pass_fds=(to_browser, from_browser), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(to_browser)
+        os.close(from_browser)
+        self._buffer, self._last_id, self._events = b"", 0, []
+        self._session = None
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self._session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        self.send("Page.enable")
+        self.send("Network.enable")
+        self.send("Page.addScriptToEvaluateOnNewDocument", {"source": ERROR_PROBE})
+
+    def _receive(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._replies], [], [], left)[0]:
+                raise TimeoutError(f"Chromium did not answer within {PAGE_TIMEOUT_S} s")
+            chunk = os.read(self._replies, 1 << 20)
+            if not chunk:
+                raise EOFError("Chromium closed the DevTools pipe (it crashed?)")
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def send(self, method: str, params: dict | None = None) -> dict:
+        """Send one command (to the tab, once it is attached) and return its result."""
+        self._last_id += 1
+        message = {"id": self._last_id, "method": method, "params": params or {}}
+        if self._session:
+            message["sessionId"] = self._session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + PAGE_TIMEOUT_S
+        while True:
+            reply = self._receive(deadline)
+            if reply.get("id") == self._last_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+            self._events.append(reply)
+
+    def load(self, page_file: Path, width: int = WINDOW[0]) -> None:
+        """Load a page in a window ``width`` CSS pixels wide and wait for its load event."""
+        self._events.clear()
+        self.resize(width)
+        self.send("Page.navigate", {"url": page_file.as_uri()})
+        deadline = time.monotonic() + PAGE_TIMEOUT_S
+        while not any(event.get("method") == "Page.loadEventFired" for event in self._events):
+            self._events.append(self._receive(deadline))
+
+    def evaluate(self, expression: str):
+        """The value of a JavaScript expression in the page (a promise is awaited)."""
+        result = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
+                                                "returnByValue": True})  # fmt: skip
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            raise RuntimeError(f"JavaScript error: {details.get('exception', {}).get('description') or details}")
+        return result["result"].get("value")
+
+    def resize(self, width: int) -> None:
+        """A window ``width`` CSS pixels wide (a phone's under 576 px: the page's viewport settings
+        apply and scroll bars float over the page)."""
+        self.send("Emulation.setDeviceMetricsOverride",
+                  {"width": width, "height": WINDOW[1], "deviceScaleFactor": 1, "mobile": width < 576})  # fmt: skip
+
+    def layout(self, width: int) -> dict:
+        """The loaded page laid out in a window ``width`` CSS pixels wide (LAYOUT_PROBE)."""
+        self.resize(width)
+        return self.evaluate(f"({LAYOUT_PROBE})({width})")
+
+    def requests(self) -> list[str]:
+        """The URLs outside the site that the page loaded last asked for."""
+        urls = []
+        for event in self._events:
+            if event.get("method") == "Network.requestWillBeSent":
+                url = event["params"]["request"]["url"]
+                if not url.startswith(("file:", "data:", "blob:")) and url not in urls:
+                    urls.append(url)
+        return urls
+
+    def read_page(self, page_file: Path, widths: tuple[int, ...] = WIDTHS) -> Rendered:
+        """Load a page at the first of ``widths``, wait for its formulas, take its DOM, then lay it
+        out at each width."""
+        self.load(page_file, widths[0])
+        self.evaluate(SETTLE)
+        dom = self.evaluate("document.documentElement.outerHTML")
+        layouts = {width: self.layout(width) for width in widths}
+        return Rendered(dom=dom, requests=self.requests(), layouts=layouts)
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close")
+        except (OSError, TimeoutError, EOFError, RuntimeError):
+            pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self._commands)
+        os.close(self._replies)
+
+    def __enter__(self) -> DevTools:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_pages(chromium: str, pages: dict[str, Path], workdir: Path) -> dict[str, Rendered]:
+    """Each page read once by one browser (``DevTools.read_page``); a page that stops the browser
+    gets the error, and a fresh browser goes on with the next page."""
+    found: dict[str, Rendered] = {}
+    browser = DevTools(chromium, workdir)
+    try:
+        for page, path in pages.items():
+            try:
+                found[page] = browser.read_page(path)
+            except (OSError, TimeoutError, EOFError, RuntimeError) as error:
+                found[page] = Rendered(error=f"{type(error).__name__}: {error}")
+                browser.close()
+                browser = DevTools(chromium, workdir)
+    finally:
+        browser.close()
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,15 +833,17 @@ def chromium_for_the_site() -> str:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, Rendered]:
-    """Every page loaded once in Chromium, two at a time."""
+    """Every page read once in Chromium (its DOM, its requests, its layout at each width), by
+    WORKERS browsers at a time."""
     chromium = chromium_for_the_site()
+    to_read = [p for p in PAGES if not is_redirect((SITE / p).read_text(encoding="utf-8"))]
+    shares = [{page: SITE / page for page in to_read[start::WORKERS]} for start in range(WORKERS)]
+    found: dict[str, Rendered] = {}
     with tempfile.TemporaryDirectory(prefix="attnbook-site-") as tmp:
-        mirror = Path(tmp) / "site"
-        mirror_with_probes(SITE, mirror, PAGES)
-        to_render = [p for p in PAGES if not is_redirect((SITE / p).read_text(encoding="utf-8"))]
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-            results = pool.map(lambda p: render(chromium, mirror / p, Path(tmp)), to_render)
-            return dict(zip(to_render, results, strict=True))
+            for part in pool.map(lambda share: read_pages(chromium, share, Path(tmp)), shares):
+                found.update(part)
+    return found
 
 
 def _page(rendered: dict[str, Rendered], page: str) -> tuple[Path, str, Rendered | None]:
@@ -722,52 +1002,21 @@ def test_no_network(rendered, page):
 
 
 @skip_site
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("page", PAGES or ["<no built site>"])
-def test_figures_readable_and_listings_unwrapped(rendered, page):
-    """At 1,280 px: figure text at least MIN_TEXT_PX tall, listings unwrapped, output wrapped."""
+def test_layout(rendered, page, width):
+    """At each width: no sideways scroll, no formula cut off, listings and printed output laid out
+    as book.css promises, the in-page contents within reach; at 1,280 px, figures readable."""
     path, html, result = _page(rendered, page)
     if result is None:  # a redirect page
         return
-    layout = layout_of(result.dom)
-    assert layout["viewport"] == WINDOW[0], layout["viewport"]
-    problems = figure_problems(layout) + wrap_problems(layout)
-    assert not problems, _report(page, problems)
-
-
-LAYOUT_PAGES = ["book/09_vit.html", "book/14_decoding.html", "book/16_induction_heads.html"]
-
-
-@pytest.fixture(scope="module")
-def layouts() -> dict[tuple[str, int], dict]:
-    """The three longest pages loaded on a phone (Chromium's narrowest window, 500 px, for 390) and
-    on a wide screen (1,600 px): (page, width) -> layout."""
-    chromium = chromium_for_the_site()
-    found = {}
-    with tempfile.TemporaryDirectory(prefix="attnbook-layout-") as tmp:
-        mirror = Path(tmp) / "site"
-        mirror_with_probes(SITE, mirror, LAYOUT_PAGES)
-        for page in LAYOUT_PAGES:
-            for width in (390, 1600):
-                result = render(chromium, mirror / page, Path(tmp), window=(width, 1000))
-                assert not result.error, f"{page} at {width} px: {result.error}"
-                found[page, width] = layout_of(result.dom)
-    return found
-
-
-@skip_site
-@pytest.mark.parametrize("page", LAYOUT_PAGES)
-def test_layout_on_a_phone_and_a_wide_screen(layouts, page):
-    phone, wide = layouts[page, 390], layouts[page, 1600]
-    assert phone["viewport"] <= 500, phone["viewport"]
-    problems = wrap_problems(phone)
-    listings = [block for block in phone["blocks"] if block["listing"]]
-    if page == "book/09_vit.html" and not any(block["scrolls"] for block in listings):
-        problems.append("no listing scrolls sideways on a phone: are its lines wrapped?")
-    # from 1,500 px the in-page contents are back: a link for each section of the page at least
-    sections = len(re.findall(r'<h2><span class="section-number">', (SITE / page).read_text(encoding="utf-8")))
-    if wide["contents"] < sections:
-        problems.append(f"in-page contents at 1,600 px: {wide['contents']} links for {sections} sections")
-    assert not problems, _report(page, problems)
+    layout = result.layouts[width]
+    assert layout["viewport"] <= width, layout["viewport"]
+    problems = page_scroll_problems(layout) + output_problems(layout) + formula_problems(layout)
+    problems += contents_problems(layout, contents_links(html))
+    if width == WINDOW[0]:
+        problems += figure_problems(layout)
+    assert not problems, _report(f"{page} at {width} px", problems)
 
 
 @skip_site
@@ -933,29 +1182,85 @@ def test_author_year_label_keeps_the_von_part():
     assert labels.author_year_label(two) == "Graves and Jaitly, 2014"
 
 
-def _layout_page(layout: dict) -> str:
-    return f"<html data-layout='{json.dumps(layout)}'><body></body></html>"
+def _layout(viewport: int = 1280, **fields) -> dict:
+    layout = {"viewport": viewport, "scrollWidth": viewport, "overflow": [], "blocks": [], "formulas": [],
+              "figures": [], "contents": {"links": 3, "how": "beside the column"}}
+    return {**layout, **fields}
 
 
 def test_layout_checkers():
-    layout = {
-        "viewport": 1280,
-        "figures": [{"src": "a.png", "natural": 900, "shown": 896}],
-        "blocks": [{"listing": True, "whiteSpace": "pre", "scrolls": True},
-                   {"listing": False, "whiteSpace": "pre-wrap", "scrolls": False}],
-        "contents": 0,
-    }
-    assert layout_of(_layout_page(layout)) == layout
-    assert figure_problems(layout) == [] and wrap_problems(layout) == []
+    listing = {"listing": True, "whiteSpace": "pre", "overflowX": "auto", "wider": True, "text": "def f():"}
+    printed = {"listing": False, "whiteSpace": "pre-wrap", "overflowX": "auto", "wider": False, "text": "loss 0.1"}
+    wide = _layout(blocks=[listing, printed], figures=[{"src": "a.png", "natural": 900, "shown": 896}])
+    assert page_scroll_problems(wide) == output_problems(wide) == formula_problems(wide) == []
+    assert figure_problems(wide) == [] and contents_problems(wide, 3) == []
     # a 16-inch figure in an 896-px column: 13.9 px text shown at 7.7 px
-    wide = {**layout, "figures": [{"src": "b.png", "natural": 1607, "shown": 896}]}
-    assert len(figure_problems(wide)) == 1 and "7.7 px" in figure_problems(wide)[0]
-    assert figure_problems({**layout, "figures": [{"src": "c.png", "natural": 0, "shown": 0}]}) == []
-    flipped = [{**block, "whiteSpace": "pre-wrap" if block["listing"] else "pre"}
-               for block in layout["blocks"]]
-    assert len(wrap_problems({**layout, "blocks": flipped})) == 2
-    with pytest.raises(ValueError, match="no layout probe"):
-        layout_of("<html><body></body></html>")
+    narrow_figure = _layout(figures=[{"src": "b.png", "natural": 1607, "shown": 896}])
+    assert len(figure_problems(narrow_figure)) == 1 and "7.7 px" in figure_problems(narrow_figure)[0]
+    assert figure_problems(_layout(figures=[{"src": "c.png", "natural": 0, "shown": 0}])) == []
+    # on a phone printed output keeps its lines and scrolls; from WRAP_FROM px it wraps
+    table = {**printed, "whiteSpace": "pre", "wider": True}
+    assert output_problems(_layout(390, blocks=[listing, table])) == []
+    assert "wraps its lines" in output_problems(_layout(390, blocks=[printed]))[0]
+    assert "cut off" in output_problems(_layout(390, blocks=[{**table, "overflowX": "hidden"}]))[0]
+    assert "does not wrap" in output_problems(_layout(1280, blocks=[table]))[0]
+    assert output_problems(_layout(390, blocks=[{**listing, "whiteSpace": "pre-wrap"}])) == [
+        "a listing 'def f():' wraps its lines (white-space: pre-wrap)"]
+    sideways = _layout(390, scrollWidth=437, overflow=['code.docutils.literal "torch.distributed"'])
+    assert "437 px wide in a 390 px window" in page_scroll_problems(sideways)[0]
+    assert "torch.distributed" in page_scroll_problems(sideways)[0]
+    cut = {"text": "softmax(x)", "cut": True, "needlessBar": False}
+    assert "cut off" in formula_problems(_layout(formulas=[cut]))[0]
+    bar = {"text": "L", "cut": False, "needlessBar": True}
+    assert "scroll bar" in formula_problems(_layout(formulas=[bar]))[0]
+    hidden = _layout(contents={"links": 0, "how": "no contents beside the column, no button on screen"})
+    assert "0 of its 3 links" in contents_problems(hidden, 3)[0]
+    assert contents_problems(hidden, 0) == []  # a page without sections has no contents to reach
+    page_toc = ('<nav class="bd-toc-nav page-toc"><ul><li><a href="#a">a</a><ul><li><a href="#a1">a.1</a></li>'
+                '</ul></li><li><a href="#b">b</a></li></ul></nav>')
+    assert contents_links(page_toc) == 2 and contents_links("<p>no sections</p>") == 0
+
+
+# A page with one of each problem the browser checks must see, and the same page without them.
+CRAFTED_PAGE = """<!DOCTYPE html><html><head><meta name="viewport" content="width=device-width, initial-scale=1">
+<style>body {{ margin: 0; }} article {{ width: 100%; }} mjx-math {{ display: inline-block; width: 800px; }}
+span.math {{ display: inline-flex; max-width: 100%; overflow-x: {formula}; }}
+div.cell_output pre {{ white-space: {output}; overflow-x: auto; }}</style></head><body><article>
+<p>A formula <span class="math"><mjx-container><mjx-math>x</mjx-math></mjx-container></span> here.</p>
+<div class="cell_output"><div class="output"><pre>{row}</pre></div></div>
+<div style="width: {wide}px">a box</div>{extra}
+<div id="pst-secondary-sidebar" style="display: {contents}"><nav class="page-toc"><a href="#x">x</a></nav></div>
+</article></body></html>"""
+
+
+def test_devtools_reader_sees_each_problem(tmp_path):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.fail("Chromium not found (apt-get install chromium, or set ATTNBOOK_CHROMIUM)")
+    bad, good = tmp_path / "bad.html", tmp_path / "good.html"
+    row = "  ".join(f"column{i}" for i in range(30))
+    remote = '<img alt="a remote figure" src="http://example.com/a.png"><script>no_such_function();</script>'
+    bad.write_text(CRAFTED_PAGE.format(formula="hidden", output="pre-wrap", row=row, wide=900, contents="none",
+                                       extra=remote))  # fmt: skip
+    good.write_text(CRAFTED_PAGE.format(formula="auto", output="pre", row=row, wide=300, contents="block",
+                                        extra=""))  # fmt: skip
+    with DevTools(chromium, tmp_path) as browser:
+        worse = browser.read_page(bad, widths=(PHONE,))
+        fine = browser.read_page(good, widths=(PHONE,))
+    assert worse.requests == ["http://example.com/a.png"] and fine.requests == []
+    errors = error_problems(worse.dom)
+    assert any("no_such_function" in e for e in errors) and any("failed to load" in e for e in errors)
+    assert error_problems(fine.dom) == []
+    phone = worse.layouts[PHONE]
+    assert phone["viewport"] == PHONE
+    assert "div" in page_scroll_problems(phone)[0]
+    assert "wraps its lines" in output_problems(phone)[0]
+    assert "cut off" in formula_problems(phone)[0]
+    assert "0 of its 1 links" in contents_problems(phone, 1)[0]  # hidden, and no button
+    phone = fine.layouts[PHONE]
+    assert page_scroll_problems(phone) == output_problems(phone) == formula_problems(phone) == []
+    assert contents_problems(phone, 1) == []
+    assert phone["blocks"][0]["wider"]  # the printed row scrolls inside its box
 
 
 def test_formula_table_checker():
