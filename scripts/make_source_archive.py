@@ -3,12 +3,14 @@
     python scripts/make_source_archive.py [OUT]   # default _build/source/attention-and-transformers.zip
 
 The archive holds what `make lab` and `make test` need: book/ (the notebooks with their outputs,
-data and pages), lib/, tests/, scripts/, _static/ (the site's stylesheet), the Makefile,
-requirements.txt, pyproject.toml, _config.yml, _toc.yml, README.md, LICENSE and .ci/run, all under
-one folder `attention-and-transformers/`. Caches, checkpoints and build output are left out. Every
-entry gets a fixed timestamp and mode, so the same files give the same archive, byte for byte.
+data and pages), lib/, tests/, scripts/, _static/ (the site's stylesheet and scripts), the Makefile,
+requirements.txt, pyproject.toml, _config.yml, _toc.yml, README.md (for readers), CONTRIBUTING.md
+(for contributors), LICENSE and .ci/run, all under one folder `attention-and-transformers/`.
+Caches, checkpoints and build output are left out. Every entry gets a fixed timestamp and mode, so
+the same files give the same archive, byte for byte.
 `make book` runs it before the build, and the book's first page links the archive (Sphinx copies it
-into the site).
+into the site) and states its size, read from the file when the build starts
+(book/_ext/archive_size.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDER = "attention-and-transformers"
 DEFAULT_OUT = ROOT / "_build" / "source" / f"{FOLDER}.zip"
 INCLUDE = ("book", "lib", "tests", "scripts", "_static", "binder", "Makefile", "requirements.txt", "pyproject.toml",
-           "_config.yml", "_toc.yml", "README.md", "LICENSE", ".ci/run")
+           "_config.yml", "_toc.yml", "README.md", "CONTRIBUTING.md", "LICENSE", ".ci/run")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".ruff_cache", "_build"}
 SKIP_SUFFIXES = (".pyc", ".egg-info")
 FIXED_TIME = (2026, 1, 1, 0, 0, 0)

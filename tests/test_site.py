@@ -1020,6 +1020,24 @@ def test_layout(rendered, page, width):
 
 
 @skip_site
+def test_intro_states_the_archive_size_as_built():
+    """The first page gives the source archive's size as measured when the site was built
+    (book/_ext/archive_size.py), not a size typed into book/intro.md."""
+    import importlib.util
+
+    archives = list(SITE.glob("_downloads/*/attention-and-transformers.zip"))
+    assert len(archives) == 1, f"the site should hold one source archive, found {archives}"
+    spec = importlib.util.spec_from_file_location("archive_size", ROOT / "book" / "_ext" / "archive_size.py")
+    extension = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extension)
+    size = extension.size_in_words(archives[0].stat().st_size)
+    intro = parse_html((SITE / "book" / "intro.html").read_text(encoding="utf-8")).text()
+    assert re.search(rf"(?<![\d.]){re.escape(size)}\b", intro), f"the intro does not say {size!r}"
+    typed = re.findall(r"\d+(?:\.\d+)? [kM]B\b", (ROOT / "book" / "intro.md").read_text(encoding="utf-8"))
+    assert not typed, f"book/intro.md types a size ({typed}): use {{{{ archive_size }}}}"
+
+
+@skip_site
 def test_key_ideas_formulas_link_every_chapter():
     html = (SITE / "book" / "key_ideas.html").read_text(encoding="utf-8")
     problems = formula_table_problems(html, chapters_with_formula())

@@ -45,6 +45,7 @@ def test_archive_holds_the_source_and_no_caches_and_is_reproducible(tmp_path):
 def test_archive_of_the_repository_has_what_make_lab_needs():
     names = {path.as_posix() for path in archive_script.source_files()}
     for needed in ("Makefile", "requirements.txt", "pyproject.toml", "LICENSE", "lib/attnbook/__init__.py",
+                   "README.md", "CONTRIBUTING.md", "book/_ext/archive_size.py", "_static/book.css",
                    "book/01_attention.ipynb", "book/data/shakespeare.txt.gz", "scripts/execute_notebooks.py"):
         assert needed in names
 
@@ -52,3 +53,39 @@ def test_archive_of_the_repository_has_what_make_lab_needs():
 def test_a_missing_file_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="the source archive needs it"):
         archive_script.source_files(tmp_path)
+
+
+size_spec = importlib.util.spec_from_file_location("archive_size", ROOT / "book" / "_ext" / "archive_size.py")
+archive_size = importlib.util.module_from_spec(size_spec)
+size_spec.loader.exec_module(archive_size)
+
+
+@pytest.mark.parametrize(
+    ("size_bytes", "words"),
+    [(0, "0 kB"), (400, "1 kB"), (850_000, "850 kB"), (999_499, "999 kB"), (1_000_000, "1.0 MB"), (7_400_000, "7.4 MB"),
+     (9_940_000, "9.9 MB"), (9_960_000, "10 MB"), (10_078_154, "10 MB"), (123_456_789, "123 MB")],
+)
+def test_archive_size_in_words(size_bytes, words):
+    assert archive_size.size_in_words(size_bytes) == words
+
+
+def test_archive_size_is_given_to_the_pages_as_a_substitution(tmp_path):
+    """book/intro.md writes {{ archive_size }}; the extension fills it from the built archive, and a
+    build without the archive stops with an error saying how to make it."""
+    from types import SimpleNamespace
+
+    from sphinx.errors import ExtensionError
+
+    config = SimpleNamespace(myst_substitutions={"other": "kept"})
+    app = SimpleNamespace(confdir=str(tmp_path))
+    with pytest.raises(ExtensionError, match="make_source_archive.py"):
+        archive_size.add_archive_size(app, config)
+    archive = tmp_path / archive_size.ARCHIVE
+    archive.parent.mkdir(parents=True)
+    archive.write_bytes(b"\0" * 2_345_678)
+    archive_size.add_archive_size(app, config)
+    assert config.myst_substitutions == {"other": "kept", "archive_size": "2.3 MB"}
+    intro = (ROOT / "book" / "intro.md").read_text()
+    assert "{{ archive_size }}" in intro
+    config_yml = (ROOT / "_config.yml").read_text()
+    assert "archive_size: book/_ext" in config_yml and "- archive_size" in config_yml
