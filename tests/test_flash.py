@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attnbook import causal_mask, flash_attention
-from attnbook.flash import flash_tile_count, flash_tiles, slow_memory_traffic
+from attnbook.attention import online_softmax_attention
+from attnbook.flash import (
+    TileTraffic,
+    flash_tile_count,
+    flash_tiles,
+    slow_memory_traffic,
+    tile_rows,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -437,3 +444,62 @@ def test_slow_memory_traffic_counts_tile_loads_as_the_closed_forms():
         slow_memory_traffic(T, d, 4 * d * 4 - 4)
     with pytest.raises(ValueError, match="seq_len"):
         slow_memory_traffic(0, d)
+
+
+def test_tile_rows_are_algorithm_1s():
+    # M = 100 KiB of float32: 25,600 numbers; 4 d = 256 per row: 100 rows outside
+    assert tile_rows(64, 100 * 1024) == (100, 64)
+    assert tile_rows(64, 100 * 1024, bytes_per_element=2) == (200, 64)
+    assert tile_rows(64, 16 * 64 * 4) == (4, 4)  # fewer rows than d: the inner tile too
+    assert tile_rows(16, 4 * 16 * 4 + 4) == (2, 2)  # ceil: a part row is a row
+    with pytest.raises(ValueError, match="at least 4 d"):
+        tile_rows(64, 4 * 64 * 4 - 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        tile_rows(0, 1024)
+    with pytest.raises(ValueError, match="bytes_per_element"):
+        tile_rows(64, 1024, bytes_per_element=0)
+
+
+@pytest.mark.parametrize("T", [50, 100, 257])
+@pytest.mark.parametrize("d", [4, 16])
+def test_traffic_counted_in_the_librarys_loop_is_the_closed_form(T, d):
+    """The bytes the library's own loop slices (Q_i once, every K_j and V_j per query
+    tile, O_i and L_i written once) are slow_memory_traffic's FlashAttention-2 count, for
+    every fast memory whose tiles are smaller than T; a batch of h heads moves h times
+    one head's bytes."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, T, d, generator=g) for _ in range(3))
+    counted = 0
+    # tiles of 8 rows, of 25 (a fast memory that is no whole number of rows), larger
+    for fast_memory in (8 * 4 * d * 4, 24 * 4 * d * 4 + 4, 16 * 1024, 64 * 1024):
+        outer, inner = tile_rows(d, fast_memory)
+        if outer >= T:  # one tile holds the whole tensor: no slice runs
+            continue
+        with TileTraffic([q, k, v]) as traffic:
+            out, lse = online_softmax_attention(
+                q, k, v, block_size=inner, query_block_size=outer
+            )
+        assert traffic.written == 3 * 4 * (T * d + T)  # O and L, each row once
+        assert traffic.read + traffic.written == 3 * slow_memory_traffic(
+            T, d, fast_memory, "q_outer"
+        )
+        counted += 1
+    assert counted >= 2
+
+
+def test_traffic_of_flash_attention_forward_with_square_tiles():
+    # square tiles of b <= d rows are Algorithm 1's for M = 4 d b numbers
+    T, d, b = 200, 32, 16
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 1, T, d, generator=g) for _ in range(3))
+    with TileTraffic([q, k, v]) as traffic:
+        flash_attention(q, k, v, block_size=b)
+    assert tile_rows(d, 4 * d * b * 4) == (b, b)
+    assert traffic.read + traffic.written == 2 * slow_memory_traffic(T, d, 4 * d * b * 4)
+
+
+def test_tile_traffic_needs_tensors():
+    with pytest.raises(TypeError, match="non-empty list of tensors"):
+        TileTraffic([])
+    with pytest.raises(TypeError, match="non-empty list of tensors"):
+        TileTraffic([torch.zeros(2), "k"])

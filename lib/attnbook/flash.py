@@ -13,6 +13,11 @@ Shapes: q ``(B, h, Tq, d)``, k ``(B, h, Tk, d)``, v ``(B, h, Tk, dv)``; out
 the rest of the library does (query ``i`` is token ``Tk - Tq + i``); a query that sees
 no key gets output 0, never NaN. :func:`flash_tiles` lists the tiles the loops compute
 (the causal skip included) and :func:`flash_tile_count` counts them.
+
+What the loops move between slow memory and the tiles: :func:`slow_memory_traffic`
+counts it in closed form, with the tile sizes of the paper's Algorithm 1
+(:func:`tile_rows`), and :class:`TileTraffic` counts it from the operations a loop
+runs, so that the two can be checked against each other.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import _check_qkv, online_softmax_attention
 from .masks import causal_first_query, causal_key_stop, mask_future_
@@ -75,6 +81,26 @@ def flash_tile_count(
     return len(flash_tiles(query_len, key_len, block_size, is_causal))
 
 
+def tile_rows(
+    head_dim: int, fast_memory: int, bytes_per_element: int = 4
+) -> tuple[int, int]:
+    """The rows of the two tiles of FlashAttention's Algorithm 1 (Dao et al. 2022) for a
+    fast memory of ``fast_memory`` bytes, ``M`` numbers of ``bytes_per_element`` bytes:
+    the outer loop's tile has ``ceil(M / 4d)`` rows and the inner loop's ``min(ceil(M /
+    4d), d)``, so that four ``d``-wide tiles, and a tile of scores, fit. A loop over
+    fewer rows than a tile simply takes them all."""
+    d = check_positive_int("head_dim", head_dim)
+    size = check_positive_int("bytes_per_element", bytes_per_element)
+    elements = check_positive_int("fast_memory", fast_memory) // size
+    if elements < 4 * d:
+        raise ValueError(
+            f"fast_memory must hold at least 4 d = {4 * d} elements "
+            f"({4 * d * size} bytes), got {fast_memory} bytes"
+        )
+    outer = math.ceil(elements / (4 * d))
+    return outer, min(outer, d)
+
+
 def slow_memory_traffic(
     seq_len: int,
     head_dim: int,
@@ -87,16 +113,16 @@ def slow_memory_traffic(
 
     ``fast_memory=None``: standard attention, which writes ``S = QK^T``, reads it back
     for the softmax, writes ``P`` and reads it for ``PV``: ``4Td + 4T^2`` elements.
-    Otherwise tiled attention whose tiles fit ``fast_memory`` bytes: the outer loop's
-    tile has ``min(ceil(M / 4d), T)`` rows (``M`` in elements) and stays in fast memory
-    during the inner loop, whose tiles have ``min(ceil(M / 4d), d, T)`` rows (the tile
-    sizes of FlashAttention's Algorithm 1, Dao et al. 2022). ``order="kv_outer"``
-    (FlashAttention-1): every key/value tile is read once, and for each of them every
-    query tile with its output rows and two statistics (``m``, ``l``) is read and
-    written back: ``2Td + (3Td + 4T) ceil(T / B_c)``. ``order="q_outer"``
-    (FlashAttention-2): every query tile is read once and its output and log-sum-exp
-    written once, and for each of them every key/value tile is read: ``2Td + T + 2Td
-    ceil(T / B_r)``. Both are ``Theta(T^2 d^2 / M)`` (the paper's Theorem 2)."""
+    Otherwise tiled attention whose tiles fit ``fast_memory`` bytes, with the tile
+    sizes of :func:`tile_rows` (``M`` in elements): the outer loop's tile stays in fast
+    memory during the inner loop, which streams the other matrices past it.
+    ``order="kv_outer"`` (FlashAttention-1): every key/value tile is read once, and for
+    each of them every query tile with its output rows and two statistics (``m``,
+    ``l``) is read and written back: ``2Td + (3Td + 4T) ceil(T / B_c)``.
+    ``order="q_outer"`` (FlashAttention-2): every query tile is read once and its output
+    and log-sum-exp written once, and for each of them every key/value tile is read:
+    ``2Td + T + 2Td ceil(T / B_r)``, what :class:`TileTraffic` counts in the library's
+    own loop. Both are ``Theta(T^2 d^2 / M)`` (the paper's Theorem 2)."""
     T = check_positive_int("seq_len", seq_len)
     d = check_positive_int("head_dim", head_dim)
     size = check_positive_int("bytes_per_element", bytes_per_element)
@@ -104,14 +130,8 @@ def slow_memory_traffic(
         raise ValueError(f"order must be 'q_outer' or 'kv_outer', got {order!r}")
     if fast_memory is None:
         return size * (4 * T * d + 4 * T * T)
-    elements = check_positive_int("fast_memory", fast_memory) // size
-    if elements < 4 * d:
-        raise ValueError(
-            f"fast_memory must hold at least 4 d = {4 * d} elements "
-            f"({4 * d * size} bytes), got {fast_memory} bytes"
-        )
-    outer = min(math.ceil(elements / (4 * d)), T)  # rows of the outer loop's tile
-    inner = min(outer, d)  # rows of the inner loop's tiles
+    outer, inner = tile_rows(d, fast_memory, size)  # rows of the outer and inner tiles
+    outer, inner = min(outer, T), min(inner, T)
     traffic = 0
     for outer_start in range(0, T, outer):
         rows = min(outer, T - outer_start)
@@ -127,6 +147,41 @@ def slow_memory_traffic(
                 2 * min(inner, T - k) * d for k in range(0, T, inner)
             )  # every K_j, V_j
     return size * traffic
+
+
+class TileTraffic(TorchDispatchMode):
+    """Counts the bytes a tiled loop moves between slow memory and its tiles, from the
+    slices it takes: a slice of one of ``inputs`` is a tile read from slow memory (its
+    bytes go to ``read``), a slice of any other tensor is a tile of an output about to
+    be written back (``written``). What the loop computes on whole tiles (scores,
+    weights, running statistics) stays in fast memory and is not counted.
+
+    ``with TileTraffic([q, k, v]) as traffic: online_softmax_attention(...)``; then
+    ``traffic.read + traffic.written`` equals :func:`slow_memory_traffic` for the same
+    tiles. The tiles must be smaller than the tensors: PyTorch does not run a slice that
+    takes a whole dimension (``x[:, 0:T]`` is ``x`` itself), so a tile as large as its
+    tensor is not seen. The inputs must be the tensors the loop slices (float32 for the
+    library's loops, which first copy fp16 / bf16 inputs to float32)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        inputs = list(inputs)
+        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise TypeError(
+                f"inputs must be a non-empty list of tensors, got {inputs!r}"
+            )
+        self._inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.read = self.written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.slice.Tensor:
+            nbytes = result.numel() * result.element_size()
+            if args[0].untyped_storage().data_ptr() in self._inputs:
+                self.read += nbytes  # a tile of Q, K or V loaded
+            else:
+                self.written += nbytes  # a tile of an output, to be written
+        return result
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -230,8 +285,10 @@ def flash_attention(
 
 __all__ = [
     "FlashAttentionFunction",
+    "TileTraffic",
     "flash_attention",
     "flash_tile_count",
     "flash_tiles",
     "slow_memory_traffic",
+    "tile_rows",
 ]
