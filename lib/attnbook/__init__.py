@@ -71,6 +71,7 @@ from .generation import (
     speculative_generate,
     truncate_logits,
 )
+from .gguf import GGUFTokenizer, load_gguf, load_gguf_tokenizer, smollm2
 from .interpretability import induction_score, previous_token_score
 from .latent import MultiHeadLatentAttention
 from .linear import LinearAttention, linear_attention, linear_attention_recurrent
@@ -131,6 +132,7 @@ __all__ = [
     "EncoderDecoderModel",
     "EncoderOnlyModel",
     "FeedForward",
+    "GGUFTokenizer",
     "GPT",
     "KVCache",
     "LatentKVCache",
@@ -186,6 +188,8 @@ __all__ = [
     "interpolate_grid",
     "linear_attention",
     "linear_attention_recurrent",
+    "load_gguf",
+    "load_gguf_tokenizer",
     "load_minilm",
     "load_whisper_tiny_en",
     "log_length_scale",
@@ -217,6 +221,7 @@ __all__ = [
     "show_source",
     "sinusoidal_encoding",
     "sliding_window_mask",
+    "smollm2",
     "speculative_generate",
     "speech",
     "split_heads",
