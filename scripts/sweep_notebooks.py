@@ -381,13 +381,16 @@ def glued_value(text: str):
         return text
 
 
-def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False, busy: int = 0) -> Path:
+def write_sweep(path: Path, runs: list[Run], gpu_settings: bool = False, busy: int = 0,
+                measured: str | None = None) -> Path:
     """Keep the sweep beside the notebook: ``book/sweeps/<notebook>.json`` (``<notebook>.gpu.json`` with the
-    settings a GPU gets; see attnbook.sweeps)."""
+    settings a GPU gets; see attnbook.sweeps). ``measured`` is the fingerprint of the code the runs executed,
+    taken before they started (default: the notebook's now): a notebook edited during its sweep keeps a
+    sweep that tests/test_sweeps.py reports as stale."""
     data = {
         "notebook": path.stem,
         **({"settings": "gpu"} if gpu_settings else {}),
-        "fingerprint": fingerprint(json.loads(path.read_text())),
+        "fingerprint": measured or fingerprint(json.loads(path.read_text())),
         # what the runs measured: the library at this commit, seeds shifted by this stride per offset
         "commit": execute_notebooks.git_commit(),
         "seed_stride": SEED_STRIDE,
@@ -477,6 +480,7 @@ def main(argv: list[str]) -> int:
         ipython_dir = gpu_settings_ipython(Path(temporary)) if gpu_settings else None
         for path in paths:
             load = busy if execute_notebooks.asserts_timing(path) else 0  # timing claims: on a busy machine
+            measured = fingerprint(json.loads(path.read_text()))  # the code the runs will execute
             with execute_notebooks.busy_machine(0 if source else load):
                 runs = (kept_runs(path, offsets, source) if source
                         else sweep(path.resolve(), offsets, jobs, out_dir, ipython_dir))
@@ -486,7 +490,7 @@ def main(argv: list[str]) -> int:
                 continue
             print("\n" + report(path, runs, all_lines), flush=True)
             if write:
-                print(f"sweep kept in {write_sweep(path.resolve(), runs, gpu_settings, load)}", flush=True)
+                print(f"sweep kept in {write_sweep(path.resolve(), runs, gpu_settings, load, measured)}", flush=True)
             status |= any(run.failure for run in runs)
     return 1 if status else 0
 

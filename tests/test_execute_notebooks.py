@@ -108,6 +108,27 @@ def test_sweep_keeps_its_runs_glued_figures_and_what_they_measured(tmp_path, cap
     capsys.readouterr()
 
 
+def test_a_notebook_edited_during_its_sweep_keeps_the_fingerprint_of_the_code_that_ran(
+    tmp_path, capsys, monkeypatch
+):
+    path = tmp_path / "01_edited.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), path)
+    ran = sweep_notebooks.fingerprint(json.loads(path.read_text()))
+    run_sweep = sweep_notebooks.sweep
+
+    def sweep_then_edit(*args, **kwargs):  # the notebook changes while its runs execute
+        runs = run_sweep(*args, **kwargs)
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 2")]), path)
+        return runs
+
+    monkeypatch.setattr(sweep_notebooks, "sweep", sweep_then_edit)
+    assert sweep_notebooks.main(["--offsets", "1", "--write", str(path)]) == 0
+    data = json.loads((tmp_path / "sweeps" / "01_edited.json").read_text())
+    # the sweep measured x = 1: tests/test_sweeps.py must see it as stale against x = 2
+    assert data["fingerprint"] == ran != sweep_notebooks.fingerprint(json.loads(path.read_text()))
+    capsys.readouterr()
+
+
 def test_sweep_passes_when_every_offset_holds(tmp_path, capsys):
     path = write_seeded_notebook(tmp_path / "01_seeded.ipynb")
     assert sweep_notebooks.main(["--offsets", "0,1", "--jobs", "1", str(path)]) == 0
