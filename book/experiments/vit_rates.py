@@ -4,7 +4,6 @@ validation accuracy. `make experiment NAME=vit_rates` records it; book/09_vit.ip
 reads it."""
 
 from attnbook.experiments import grid
-
 from experiments._vit_rates import run  # noqa: F401  (run: the experiment)
 
 SEEDS = (0, 1, 2, 3, 4)
