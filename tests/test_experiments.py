@@ -243,3 +243,19 @@ def test_load_record_names_the_command_when_there_is_none(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"name": "bad"}))
     with pytest.raises(ValueError, match="lacks"):
         load_record("bad", tmp_path)
+
+
+def test_the_order_of_the_public_names_changes_no_unit(tmp_path):
+    from attnbook.experiments import code_units
+
+    def units(source):
+        path = tmp_path / "module.py"
+        path.write_text(source)
+        return code_units(path, [])
+
+    listed = units('__all__ = ["b", "a"]\nX = 1\n')
+    assert units('__all__ = ["a", "b"]\nX = 1\n') == listed  # the order alone: the same
+    assert units('__all__ = ("a", "b")\nX = 1\n') != listed  # a tuple is other code
+    assert units('__all__ = ["a", "b", "c"]\nX = 1\n') != listed  # another name
+    assert units('__all__ = ["b", "a"]\nX = 2\n') != listed  # another statement
+    assert units('names = ["b", "a"]\nX = 1\n') != units('names = ["a", "b"]\nX = 1\n')

@@ -81,6 +81,19 @@ def _named_parts(qualname: str) -> list[str]:
     return parts
 
 
+def _sorted_all(node):
+    """``node``, or a copy with the names of an ``__all__ = [...]`` assignment sorted:
+    the order in which a module lists its public names changes nothing that runs."""
+    if not isinstance(node, ast.Assign):
+        return node
+    targets = [target.id for target in node.targets if isinstance(target, ast.Name)]
+    if "__all__" not in targets or not isinstance(node.value, (ast.List, ast.Tuple)):
+        return node
+    node = copy.deepcopy(node)
+    node.value.elts.sort(key=lambda element: ast.dump(element))
+    return node
+
+
 def code_units(
     path: Path | str, qualnames, source: str | None = None
 ) -> dict[str, str]:
@@ -90,8 +103,8 @@ def code_units(
     methods), and the module's own statements (other than its functions and classes):
     ``{"Class.method": hash, "Class": hash, "<module>": hash}``. A function that is no
     longer there hashes as ``"gone"``. Comments, docstrings and code elsewhere in the
-    file do not count. ``source``: the file's text as it was imported (default: as it
-    is on disk now)."""
+    file do not count, nor the order of the names in ``__all__``. ``source``: the
+    file's text as it was imported (default: as it is on disk now)."""
     tree = ast.parse(Path(path).read_text() if source is None else source)
 
     def digest(node) -> str:
@@ -99,7 +112,7 @@ def code_units(
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def skeleton(body) -> str:
-        kept = [n for n in body if not isinstance(
+        kept = [_sorted_all(n) for n in body if not isinstance(
             n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
         return digest(ast.Module(body=kept, type_ignores=[]))
 
