@@ -55,6 +55,27 @@ def notebook(*sources, markdown="# a page"):
     return {"cells": cells}
 
 
+NOTEBOOKS = sorted(BOOK.glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_other_runs_come_after_the_summary_folded_away(path):
+    """A page's "Other seeds and other CPUs" section is bookkeeping: it follows the
+    summary, and the cells that read the sweep show neither code nor table unless opened."""
+    cells = json.loads(path.read_text())["cells"]
+    text = ["".join(cell["source"]) for cell in cells]
+    heads = [i for i, s in enumerate(text) if s.startswith("## Other seeds and other CPUs")]
+    if not heads:
+        return
+    summaries = [i for i, s in enumerate(text) if s.startswith("## Summary")]
+    assert all(i < heads[0] for i in summaries), f"{path.name}: the summary comes after"
+    for cell, source in zip(cells[heads[0] + 1 :], text[heads[0] + 1 :], strict=True):
+        if cell["cell_type"] != "code":
+            continue
+        tags = cell["metadata"].get("tags", [])
+        assert "load_sweep(" in source or "load_record(" in source, path.name
+        assert {"hide-input", "hide-output"} <= set(tags), f"{path.name}: {tags}"
+
 def test_fingerprint_is_the_code_and_only_the_code_that_measures():
     base = fingerprint(notebook("x = 1", "print(x)"))
     assert fingerprint(notebook("x = 1", "print(x)", markdown="other prose")) == base
