@@ -413,6 +413,25 @@ def test_composition_score_by_hand():
     assert 0 <= composition_score(a, b) <= 1
 
 
+@pytest.mark.parametrize("rank", [None, 4, 16])
+def test_composition_score_of_random_matrices(rank):
+    # the docstring's claim: independent random matrices, full rank or products of rank r,
+    # give a mean squared score of 1 / d (so a score of about 1 / sqrt(d)), whatever r
+    d, pairs = 32, 400
+    g = torch.Generator().manual_seed(0)
+
+    def random_matrix():
+        if rank is None:
+            return torch.randn(d, d, generator=g)
+        return torch.randn(d, rank, generator=g) @ torch.randn(rank, d, generator=g)
+
+    scores = torch.stack(
+        [composition_score(random_matrix(), random_matrix()) for _ in range(pairs)]
+    )
+    assert scores.pow(2).mean().item() == pytest.approx(1 / d, rel=0.05)
+    assert scores.mean().item() == pytest.approx(1 / d**0.5, rel=0.05)
+
+
 def test_copying_score_by_hand():
     assert copying_score(torch.eye(5)).item() == pytest.approx(1.0)
     assert copying_score(-torch.eye(5)).item() == pytest.approx(-1.0)

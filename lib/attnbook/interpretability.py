@@ -264,8 +264,11 @@ def composition_score(later: torch.Tensor, earlier_ov: torch.Tensor) -> torch.Te
 
     With ``later = W_QK`` of the later head it is K-composition (the earlier head's
     output read by the later head's keys); with ``W_QK^T``, Q-composition; with its
-    ``W_OV``, V-composition. Matrices ``(d, d)``; independent random matrices of rank
-    ``r`` in ``d`` dimensions score about ``sqrt(r) / d`` against each other."""
+    ``W_OV``, V-composition. Matrices ``(d, d)``. Independent random matrices score
+    about ``1 / sqrt(d)`` against each other, whatever their rank: if one of them is
+    random in every direction (its distribution unchanged by a rotation, as for
+    Gaussian entries or a product of Gaussian ``(d, r)`` and ``(r, d)`` factors), the
+    mean of the squared score is exactly ``1 / d``."""
     for name, m in (("later", later), ("earlier_ov", earlier_ov)):
         if not isinstance(m, torch.Tensor) or m.dim() != 2 or m.shape[0] != m.shape[1]:
             shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
