@@ -27,24 +27,14 @@ def test_every_sweep_measured_the_notebook_as_it_is(path):
     least = 3 if data.get("settings") == "gpu" else 10
     assert len(data["runs"]) >= least and {run["kernels"] for run in data["runs"]} == {"avx2", "default"}
 
-# Sweeps made when offset k trained seed + k, so that neighbouring offsets shared most of their
-# seeds; each is to be remade with disjoint seeds (seed + SEED_STRIDE * k), and leaves this list
-# when it is (the test below fails on a remade sweep still listed, so the list only shrinks).
-SHARED_SEED_SWEEPS = {
-    "09_vit_compute", "09_vit_data", "09_vit_data_longer",
-}  # fmt: skip
-
 
 @pytest.mark.parametrize("path", SWEEPS, ids=[path.stem for path in SWEEPS])
 def test_every_sweep_trained_seeds_no_other_offset_shares(path):
     stride = json.loads(path.read_text()).get("seed_stride")
-    if path.stem in SHARED_SEED_SWEEPS:
-        assert stride is None, f"{path.stem} was remade: take it off SHARED_SEED_SWEEPS"
-    else:
-        assert stride == SEED_STRIDE, (
-            f"book/sweeps/{path.name} was not made with disjoint seeds (seed_stride "
-            f"{stride}, not {SEED_STRIDE}): refresh it with `make sweep NB=book/{path.stem}.ipynb`"
-        )
+    assert stride == SEED_STRIDE, (
+        f"book/sweeps/{path.name} was not made with disjoint seeds (seed_stride "
+        f"{stride}, not {SEED_STRIDE}): refresh it with `make sweep NB=book/{path.stem}.ipynb`"
+    )
 
 
 def notebook(*sources, markdown="# a page"):
