@@ -40,7 +40,9 @@ A notebook reads it with ``attnbook.sweeps.load_sweep`` to show the spread its t
 
 With ``--busy N`` (``make sweep`` passes ``--busy 2``), a notebook that asserts a timing (metadata
 ``"attnbook": {"asserts_timing": true}``) is swept beside N processes that keep N cores busy, as
-``make robust`` runs it: its timing thresholds get margins measured on a busy machine.
+``make robust`` runs it: its timing thresholds get margins measured on a busy machine. ``--write`` on
+such a notebook without ``--busy`` is refused (exit status 2), so its sweep cannot come from a quiet
+machine by mistake.
 
 With ``--gpu-settings`` every run takes the settings a GPU gets (``attnbook.on_gpu()`` says True, as in
 ``make gpu-settings``: the longer trainings, on the CPU), and the sweep is kept in
@@ -472,6 +474,11 @@ def main(argv: list[str]) -> int:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         print(f"no such notebook: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    quiet = [str(p) for p in paths if execute_notebooks.asserts_timing(p)]
+    if write and not busy and quiet:  # its margins would come from a quiet machine
+        print(f"{', '.join(quiet)} asserts a timing: its sweep must run beside busy "
+              "processes, as make robust runs it; add --busy 2 (make sweep does)", file=sys.stderr)
         return 2
     status = 0
     with tempfile.TemporaryDirectory(prefix="sweep-") as temporary:

@@ -110,8 +110,57 @@ def test_ngram_baselines():
     bigram = data.ngram_cross_entropy(cycle, cycle, vocab, order=2, smoothing=1e-6)
     assert unigram == pytest.approx(math.log(4), rel=1e-6)
     assert bigram == pytest.approx(0.0, abs=1e-4)
-    with pytest.raises(ValueError, match="order"):
-        data.ngram_cross_entropy(cycle, cycle, vocab, order=3)
+
+
+def test_ngram_by_hand():
+    # train "a b a b a c" (ids 0 1 0 1 0 2), V = 3, add-1: trigram contexts (a, b): 2
+    # times, both followed by a; (b, a): twice, followed by b once and c once
+    train = torch.tensor([0, 1, 0, 1, 0, 2])
+    val = torch.tensor([0, 1, 0, 2, 2])  # trigrams: (a b -> a) (b a -> c) (a c -> c)
+    p = [(2 + 1) / (2 + 3), (1 + 1) / (2 + 3), (0 + 1) / (0 + 3)]
+    expected = -sum(math.log(q) for q in p) / 3
+    assert data.ngram_cross_entropy(train, val, 3, order=3) == pytest.approx(expected)
+    # bigram: a -> b twice, a -> c once; b -> a twice; c unseen as a context
+    p = [(2 + 1) / (3 + 3), (2 + 1) / (2 + 3), (1 + 1) / (3 + 3), 1 / 3]
+    expected = -sum(math.log(q) for q in p) / 4
+    assert data.ngram_cross_entropy(train, val, 3, order=2) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+def test_ngram_matches_counting_in_python(order):
+    from collections import Counter
+
+    rng = torch.Generator().manual_seed(order)
+    train = torch.randint(5, (400,), generator=rng)
+    val = torch.randint(5, (60,), generator=rng)
+    k, V = 0.5, 5
+    t = train.tolist()
+    grams = Counter(tuple(t[i : i + order]) for i in range(len(t) - order + 1))
+    contexts = Counter(g[:-1] for g in grams.elements())
+    v = val.tolist()
+    losses = [
+        -math.log(
+            (grams[tuple(v[i : i + order])] + k)
+            / (contexts[tuple(v[i : i + order - 1])] + k * V)
+        )
+        for i in range(len(v) - order + 1)
+    ]
+    got = data.ngram_cross_entropy(train, val, V, order=order, smoothing=k)
+    assert got == pytest.approx(sum(losses) / len(losses), rel=1e-12)
+
+
+def test_ngram_rejects_bad_input():
+    ids = torch.tensor([0, 1, 2, 3] * 4)
+    for order in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="order"):
+            data.ngram_cross_entropy(ids, ids, 4, order=order)
+    for smoothing in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="smoothing"):
+            data.ngram_cross_entropy(ids, ids, 4, smoothing=smoothing)
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        data.ngram_cross_entropy(ids, ids, 1000, order=7)
+    with pytest.raises(ValueError, match="at least order=3"):
+        data.ngram_cross_entropy(ids, ids[:2], 4, order=3)
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,17 @@ def test_sweep_keeps_its_runs_glued_figures_and_what_they_measured(tmp_path, cap
     capsys.readouterr()
 
 
+def test_a_timing_notebook_is_not_written_from_a_quiet_machine(tmp_path, capsys):
+    # its thresholds' margins must come from a busy machine, as make robust runs it
+    path = tmp_path / "01_timed.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nb.metadata["attnbook"] = {"asserts_timing": True}
+    nbformat.write(nb, path)
+    assert sweep_notebooks.main(["--offsets", "1", "--write", str(path)]) == 2
+    assert "asserts a timing" in capsys.readouterr().err
+    assert not (tmp_path / "sweeps").exists()  # nothing ran, nothing written
+
+
 def test_a_notebook_edited_during_its_sweep_keeps_the_fingerprint_of_the_code_that_ran(
     tmp_path, capsys, monkeypatch
 ):

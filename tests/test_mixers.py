@@ -130,6 +130,17 @@ def test_train_recall_learns_one_pair_and_repeats():
     assert trained(0)[1].loss == history.loss  # the generator decides the batches
 
 
+def test_train_recall_evaluates_along_the_way():
+    model = MixerModel(V, L, "linear", d_model=16)
+    seen = []  # (training mode, share right) at each evaluation
+    history = train_recall(
+        model, steps=10, lr=1e-3, generator=torch.Generator().manual_seed(0), max_pairs=2,
+        eval_fn=lambda m: seen.append(m.training) or len(seen), eval_every=4,
+    )  # fmt: skip
+    assert history.eval_steps == [4, 8, 10] and history.evals == [1, 2, 3]
+    assert seen == [False, False, False] and model.training  # eval mode, then back
+
+
 class Lookup(torch.nn.Module):
     """Answers every key with the value that followed its first occurrence."""
 

@@ -13,8 +13,8 @@ Nothing here downloads anything. The pieces:
   sequence and random ``(B, T)`` windows for next-token prediction (``y`` is ``x``
   shifted by one).
 - :func:`mask_tokens`: BERT's masking for a masked-language model (15 %, 80/10/10).
-- :func:`ngram_cross_entropy`: the unigram / bigram baselines a language model must
-  beat.
+- :func:`ngram_cross_entropy`: the count-based baselines (unigram, bigram, trigram ...)
+  a language model must beat.
 - The sequence-to-sequence task: :func:`number_to_words` (``347 -> "three hundred forty
   seven"``) and :func:`number_split` (train / held-out numbers, never overlapping).
 - The classification task: :func:`shuffled_lines` (is this line of verse in its real
@@ -287,6 +287,22 @@ def mask_tokens(
     return inputs, targets
 
 
+def _ngram_codes(ids: torch.Tensor, order: int, vocab_size: int) -> torch.Tensor:
+    """``(len(ids) - order + 1,)``: every window of ``order`` ids as one integer, its
+    ids read as the digits of a number in base ``vocab_size``."""
+    codes = torch.zeros(len(ids) - order + 1, dtype=torch.long)
+    for i in range(order):
+        codes = codes * vocab_size + ids[i : len(ids) - order + 1 + i]
+    return codes
+
+
+def _counts_of(seen: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor):
+    """How often each of ``queries`` occurs, from the sorted unique values ``seen`` and
+    their ``counts`` (0 for a value never seen)."""
+    where = torch.searchsorted(seen, queries).clamp(max=len(seen) - 1)
+    return torch.where(seen[where] == queries, counts[where], 0).double()
+
+
 def ngram_cross_entropy(
     train_ids: torch.Tensor,
     val_ids: torch.Tensor,
@@ -295,33 +311,37 @@ def ngram_cross_entropy(
     smoothing: float = 1.0,
 ) -> float:
     """Cross-entropy (nats per token) of ``val_ids`` under a count-based n-gram model of
-    ``train_ids``.
+    ``train_ids`` (both 1-D id sequences).
 
     ``order=1``: unigram, ``p(x_t)``; ``order=2``: bigram, ``p(x_t | x_{t-1})``;
-    add-``smoothing`` (Laplace) counts so unseen tokens keep a small probability. A
-    language model that has learned anything beyond character frequencies must score
-    below the unigram value.
+    ``order=n``: ``p(x_t | x_{t-n+1} ... x_{t-1})``, averaged over the tokens of
+    ``val_ids`` that have ``n - 1`` tokens before them. Add-``smoothing`` counts
+    (Laplace's rule at 1): ``(c(context, x) + k) / (c(context) + k V)``, so an n-gram
+    never seen in training keeps a small probability. A language model that has learned
+    anything beyond character frequencies must score below the unigram value.
     """
-    if order not in (1, 2):
-        raise ValueError(f"order must be 1 (unigram) or 2 (bigram), got {order}")
-    if smoothing <= 0:
+    order = check_positive_int("order", order)
+    if not smoothing > 0:
         raise ValueError(f"smoothing must be > 0, got {smoothing}")
+    if vocab_size**order >= 2**62:
+        raise ValueError(
+            f"vocab_size ** order must stay below 2**62 to count n-grams as integers, "
+            f"got {vocab_size}**{order}"
+        )
     train_ids, val_ids = train_ids.cpu().long(), val_ids.cpu().long()
-    if order == 1:
-        # (V,)
-        counts = torch.bincount(train_ids, minlength=vocab_size).double() + smoothing
-        log_p = counts.log() - counts.sum().log()
-        return float(-log_p[val_ids].mean())
-    pairs = train_ids[:-1] * vocab_size + train_ids[1:]
-    counts = (
-        torch.bincount(pairs, minlength=vocab_size**2)
-        .double()
-        .view(vocab_size, vocab_size)
-        + smoothing
-    )
-    # (V, V): row = previous token
-    log_p = counts.log() - counts.sum(1, keepdim=True).log()
-    return float(-log_p[val_ids[:-1], val_ids[1:]].mean())
+    if len(train_ids) < order or len(val_ids) < order:
+        raise ValueError(
+            f"train_ids and val_ids need at least order={order} tokens, got "
+            f"{len(train_ids)} and {len(val_ids)}"
+        )
+    grams = _ngram_codes(train_ids, order, vocab_size)  # (N - n + 1,)
+    seen, counts = torch.unique(grams, return_counts=True)
+    contexts, context_counts = torch.unique(grams // vocab_size, return_counts=True)
+    queries = _ngram_codes(val_ids, order, vocab_size)  # (M - n + 1,)
+    together = _counts_of(seen, counts, queries) + smoothing
+    alone = _counts_of(contexts, context_counts, queries // vocab_size)
+    log_p = together.log() - (alone + smoothing * vocab_size).log()
+    return float(-log_p.mean())
 
 
 # --------------------------------------------------------------------------------------

@@ -105,11 +105,14 @@ def train_recall(
     generator: torch.Generator,
     batch_size: int = 32,
     max_pairs: int = 8,
+    eval_fn=None,
+    eval_every: int | None = None,
 ) -> History:
     """Train ``model`` on associative recall for ``steps`` steps of :func:`train`: each
     step ``batch_size`` sequences of ``model.max_len`` tokens with ``P`` key-value pairs
     and ``P`` queries, ``P`` drawn uniformly from ``1 .. max_pairs``, all of it from
-    ``generator``; the loss at the queries (:func:`recall_loss`)."""
+    ``generator``; the loss at the queries (:func:`recall_loss`). ``eval_fn(model)``,
+    if given, runs every ``eval_every`` steps and at the end, as in :func:`train`."""
     max_pairs = check_positive_int("max_pairs", max_pairs)
     device = next(model.parameters()).device
 
@@ -125,7 +128,10 @@ def train_recall(
         )
         return [t.to(device) for t in tensors]
 
-    return train(model, batch, recall_loss, steps=steps, lr=lr, show_progress=False)
+    return train(
+        model, batch, recall_loss, steps=steps, lr=lr, show_progress=False,
+        eval_fn=eval_fn, eval_every=eval_every,
+    )  # fmt: skip
 
 
 @torch.no_grad()
