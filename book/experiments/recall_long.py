@@ -4,7 +4,7 @@ the best of recall_budget's (with N = 8, whose best was the lowest, at a fifth b
 and softmax and linear attention at the rates recall_budget chose for them, three seeds
 each, recall on the validation sequences every 2,000 steps. The page chooses Mamba's
 rate for each state size by its mean validation recall at the end. `make experiment
-NAME=recall_long` records it; book/20_recall.ipynb reads it."""
+NAME=recall_long` records it; book/20_recall.ipynb is to read it (drafted)."""
 
 from attnbook.experiments import grid
 from experiments._recall_runs import run  # noqa: F401  (run: the experiment)
