@@ -42,9 +42,12 @@ def test_quantize_kv_by_hand():
     assert q8.scale.shape == (2, 2) and q8.offset.tolist() == [[0.0, 1.0], [2.0, 2.0]]
     assert q8.codes.tolist() == [[0, 255, 0, 255], [0, 0, 0, 0]]
     torch.testing.assert_close(q8.scale, torch.tensor([[0.5 / 255, 6.5 / 255], [0.0, 0.0]]))
+    q2 = quantize_kv(torch.tensor([[0.0, 1.1, 2.4, 3.0]]), 2, axis=1)  # 3 steps of 1.0
+    assert q2.codes.tolist() == [[0, 1, 2, 3]] and q2.scale.tolist() == [[1.0]]
+    assert q2.nbytes() == 1 + 2 * 4  # four 2-bit codes in one byte, a scale, an offset
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("axis,group_size", [(2, 4), (2, None), (3, None), (-1, 2), (0, 2)])
 def test_dequantized_within_half_a_step(bits, axis, group_size):
     x = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(bits), dtype=torch.float64)
@@ -180,10 +183,44 @@ def test_gpt_with_a_quantized_cache_gives_logits_close_to_the_float_cache(positi
     assert 0 < errors[8] < 0.02 and errors[8] < errors[4] < 0.3, errors
 
 
+def test_rotary_inverse_turns_each_pair_back():
+    x = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(3))
+    for scaling in (dict(), dict(scale=4.0), dict(scale=4.0, method="yarn", original_length=16)):
+        rotary = attnbook.Rotary(100.0).set_scaling(**scaling)
+        torch.testing.assert_close(rotary.inverse(rotary(x, 5), 5), x)
+        torch.testing.assert_close(rotary(rotary.inverse(x, 5), 5), x)
+    # by hand: a pair (theta_0 = 1) at position 2 that reads (cos 2, sin 2) was (1, 0)
+    pair = torch.zeros(3, 2)
+    pair[2] = torch.tensor([2.0, 2.0]).cos()
+    pair[2, 1] = torch.tensor(2.0).sin()
+    torch.testing.assert_close(attnbook.Rotary().inverse(pair)[2], torch.tensor([1.0, 0.0]))
+
+
+def test_quantized_cache_before_rope_quantises_the_unrotated_keys():
+    rotary = attnbook.Rotary(10.0)
+    k_plain, v = torch.randn(2, 1, 2, 12, 4, generator=torch.Generator().manual_seed(1))
+    k = rotary(k_plain)  # what attention hands the cache: rotated keys
+    cache = QuantizedKVCache(1, 2, 16, 4, key_bits=2, value_bits=8, group_size=4, pre_rope=rotary)
+    cache.append(k[:, :, :6], v[:, :, :6])
+    keys, _ = cache.append(k[:, :, 6:], v[:, :, 6:])  # 12 tokens: three groups quantised
+    assert (cache.length, cache.held) == (12, 0)
+    by_hand = rotary(dequantize_kv(quantize_kv(k_plain, 2, axis=2, group_size=4)))
+    torch.testing.assert_close(cache.append(k[:, :, :0], v[:, :, :0])[0], by_hand)
+    # the second step saw the first group quantised, the residual and its own keys exact
+    torch.testing.assert_close(keys[:, :, :4], by_hand[:, :, :4])
+    assert torch.equal(keys[:, :, 4:], k[:, :, 4:])
+    after = QuantizedKVCache(1, 2, 16, 4, key_bits=2, value_bits=8, group_size=4)
+    after.append(k, v)
+    post = after.append(k[:, :, :0], v[:, :, :0])[0]  # quantised after RoPE: other keys
+    assert (post - by_hand).abs().max() > 0.01
+    with pytest.raises(TypeError, match="pre_rope must be the attention's Rotary"):
+        QuantizedKVCache(1, 2, 8, 4, pre_rope=attnbook.apply_rope)
+
+
 def test_quantized_cache_rejects_bad_input():
     for options, match in [
         (dict(key_bits=3), "key_bits must be one of"),
-        (dict(value_bits=2), "value_bits"),
+        (dict(value_bits=1), "value_bits"),
         (dict(key_axis="head"), "key_axis must be one of"),
         (dict(value_axis=None), "value_axis"),
         (dict(group_size=0), "group_size"),

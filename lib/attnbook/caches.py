@@ -21,7 +21,7 @@ look inside one, and the rules live once:
 encoder's keys and values, filled once); :class:`RollingKVCache` keeps the last
 ``window`` (sliding-window attention; with attention sinks, the first tokens too);
 :class:`LatentKVCache` keeps multi-head latent attention's latents and RoPE keys
-(chapter 18); :class:`QuantizedKVCache` stores keys and values in 4 or 8 bits
+(chapter 18); :class:`QuantizedKVCache` stores keys and values in 2, 4 or 8 bits
 (:mod:`attnbook.quantize`). :func:`make_caches` builds a model's caches, one per layer.
 The paged caches of chapter 18 (one pool of blocks shared by many sequences) are in
 :mod:`attnbook.paging`.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .masks import check_sink_tokens
+from .positions import Rotary
 from .quantize import (
     QUANTIZED_AXES,
     QUANTIZED_BITS,
@@ -401,8 +402,8 @@ class QuantizedKVCache(Cache):
     drop-in for :class:`KVCache` that holds up to ``max_len`` tokens and returns
     dequantised keys and values to attention.
 
-    Keys have ``key_bits`` and values ``value_bits`` (4 or 8), each quantised along its
-    own axis: ``"channel"`` (one scale and offset per channel for each group of
+    Keys have ``key_bits`` and values ``value_bits`` (2, 4 or 8), each quantised along
+    its own axis: ``"channel"`` (one scale and offset per channel for each group of
     ``group_size`` tokens: KIVI's choice for keys, whose outliers sit in a few
     channels) or ``"token"`` (one per token, over its ``head_dim`` channels: KIVI's
     choice for values). As KIVI, the most recent tokens stay in full precision: the
@@ -413,6 +414,12 @@ class QuantizedKVCache(Cache):
     :class:`~attnbook.quantize.QuantizedTensor` each, grown by concatenation).
     :meth:`append` returns the dequantised tokens, then the residual, then the new
     tokens at full precision (the step that computed them has them).
+
+    With ``pre_rope`` (the attention's :class:`~attnbook.positions.Rotary`), keys are
+    quantised as they were before RoPE, as KVQuant (Hooper et al. 2024) does: each
+    group is turned back with :meth:`~attnbook.positions.Rotary.inverse` before it is
+    quantised, and the dequantised keys are rotated again (the cache's first token is
+    position 0).
 
     :meth:`packed_nbytes` counts what a packed implementation holds for the ``length``
     tokens stored: per quantised token and head, ``head_dim * bits / 8`` bytes of codes;
@@ -426,7 +433,7 @@ class QuantizedKVCache(Cache):
 
     def __init__(self, batch_size, num_heads, max_len, head_dim, *, key_bits=8,
                  value_bits=8, key_axis="channel", value_axis="token", group_size=32,
-                 device=None, dtype=torch.float32):  # fmt: skip
+                 pre_rope=None, device=None, dtype=torch.float32):  # fmt: skip
         shapes = _kv_shapes(batch_size, num_heads, "group_size", group_size, head_dim)
         super().__init__(shapes, device, dtype)
         self._max_len = check_positive_int("max_len", max_len)
@@ -440,6 +447,12 @@ class QuantizedKVCache(Cache):
                 raise ValueError(
                     f"{name} must be one of {sorted(QUANTIZED_AXES)}, got {axis!r}"
                 )
+        if pre_rope is not None and not isinstance(pre_rope, Rotary):
+            raise TypeError(
+                "pre_rope must be the attention's Rotary (or None), got "
+                f"{type(pre_rope).__name__}"
+            )
+        self.pre_rope = pre_rope
         self.key_bits, self.value_bits = key_bits, value_bits
         self.key_axis, self.value_axis = key_axis, value_axis
         # QuantizedTensor once a group is full
@@ -450,12 +463,13 @@ class QuantizedKVCache(Cache):
     def max_len(self) -> int:
         return self._max_len
 
-    def _all(self, quantized, residual, new):
-        """``(B, h, length + t, head_dim)``: the dequantised tokens, the residual ones,
-        the new ones."""
+    def _all(self, quantized, residual, new, rotate=False):
+        """``(B, h, length + t, head_dim)``: the dequantised tokens (rotated by
+        ``pre_rope`` from position 0 if ``rotate``), the residual ones, the new ones."""
         parts = [residual[:, :, : self.held], new]
         if quantized is not None:
-            parts.insert(0, dequantize_kv(quantized))
+            old = dequantize_kv(quantized)
+            parts.insert(0, self.pre_rope(old) if rotate else old)
         return torch.cat(parts, dim=2)
 
     def _quantize(self, x, bits, axis) -> QuantizedTensor:
@@ -468,12 +482,15 @@ class QuantizedKVCache(Cache):
         ``(B, h, length, head_dim)``: the quantised ones dequantised, the residual and
         new ones as they are."""
         t = self._accept(k, v)
-        keys = self._all(self.quantized_keys, self.keys, k)  # (B, h, length + t, d/h)
+        rotate = self.pre_rope is not None
+        keys = self._all(self.quantized_keys, self.keys, k, rotate)  # (B, h, n, d/h)
         values = self._all(self.quantized_values, self.values, v)
         first = self.length - self.held  # the first token not yet quantised
         last = first + (self.held + t) // self.group_size * self.group_size
         if last > first:  # whole groups: quantised
             new_keys = keys[:, :, first:last]  # (B, h, groups * group_size, d/h)
+            if rotate:  # back to before RoPE: positions first ..
+                new_keys = self.pre_rope.inverse(new_keys, first)
             new_values = values[:, :, first:last]
             self.quantized_keys = concatenate_quantized(
                 self.quantized_keys,

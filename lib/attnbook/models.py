@@ -302,7 +302,7 @@ class GPTDecoding:
         :class:`~attnbook.caches.KVCache` of ``num_kv_heads`` heads; with a ``window``,
         a :class:`~attnbook.caches.RollingKVCache` of ``window`` entries; with ``mla``,
         a :class:`~attnbook.caches.LatentKVCache`; with ``kv_bits`` (``bits`` or
-        ``(key_bits, value_bits)``, 4 or 8), a
+        ``(key_bits, value_bits)``, 2, 4 or 8), a
         :class:`~attnbook.caches.QuantizedKVCache` (KIVI's: keys per channel, values
         per token, in groups of ``group_size``)."""
         device, dtype = _device_and_dtype(self, device, dtype)

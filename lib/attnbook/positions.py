@@ -360,6 +360,18 @@ class Rotary(nn.Module):
         )
         return apply_rope(x, start, self.base, **scaling)  # (..., T, dim)
 
+    def inverse(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Undo :meth:`forward`: ``x (..., T, dim)``, rotated as positions ``start ..``,
+        turned back to what it was before RoPE. Mirroring each pair, ``(a, b) -> (a,
+        -b)``, rotating it and mirroring it again turns it by minus its angle; YaRN's
+        factor, applied twice that way, is divided out."""
+        mirror = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        mirror[1::2] = -1
+        back = self(x * mirror, start) * mirror  # (..., T, dim)
+        if self.method == "yarn" and self.scale != 1.0:
+            back = back / yarn_attention_factor(self.scale) ** 2
+        return back
+
     def extra_repr(self) -> str:
         scaled = "" if self.scale == 1.0 else f", scale={self.scale}, {self.method}"
         return f"base={self.base}{scaled}"

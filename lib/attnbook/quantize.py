@@ -1,5 +1,5 @@
-"""Quantisation of keys and values (chapter 18): asymmetric min/max codes of 4 or 8 bits
-with one scale and offset per group, as KIVI stores a KV cache
+"""Quantisation of keys and values (chapter 18): asymmetric min/max codes of 2, 4 or 8
+bits with one scale and offset per group, as KIVI stores a KV cache
 (:class:`~attnbook.caches.QuantizedKVCache`).
 
 - :func:`quantize_kv` ``x -> QuantizedTensor`` (codes, scale, offset) and
@@ -24,7 +24,7 @@ __all__ = [
     "quantize_kv",
 ]
 
-QUANTIZED_BITS = (4, 8)
+QUANTIZED_BITS = (2, 4, 8)
 # the axis of (B, h, T, head_dim) that a group's statistics run over
 QUANTIZED_AXES = {"channel": 2, "token": 3}
 
@@ -57,7 +57,7 @@ def quantize_kv(
     x: torch.Tensor, bits: int, axis: int, group_size: int | None = None
 ) -> QuantizedTensor:
     """Asymmetric min/max quantisation of ``x`` (floating, any shape) to ``bits``-bit
-    codes (4 or 8), with one scale and offset per group of ``group_size`` consecutive
+    codes (2, 4 or 8), with one scale and offset per group of ``group_size`` consecutive
     entries along ``axis`` (the whole axis by default; it must divide it).
 
     In each group ``offset = min``, ``scale = (max - min) / (2**bits - 1)`` and ``codes
