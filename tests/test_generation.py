@@ -8,6 +8,7 @@ import torch
 from attnbook import (
     GPT,
     EncoderDecoderModel,
+    PromptLookupDraft,
     EncoderOnlyModel,
     beam_search,
     generate,
@@ -693,6 +694,59 @@ def test_speculative_greedy_gives_the_targets_greedy_tokens(gpt, drafts, name, n
         assert 0.2 < total.accepted / total.drafted < 1  # both paths: acceptances and rejections
     else:
         assert total.accepted / total.drafted < 0.5
+
+
+def test_lookup_next_by_hand():
+    from attnbook.generation import lookup_next
+
+    assert lookup_next(torch.tensor([5, 6, 7, 1, 5, 6]), 2) == 7  # [5, 6] came before, then 7
+    assert lookup_next(torch.tensor([5, 6, 7, 5, 6, 8, 5, 6]), 2) == 8  # the latest match wins
+    assert lookup_next(torch.tensor([1, 2, 3, 9, 3]), 2) == 9  # no [9, 3]: the last token alone
+    assert lookup_next(torch.tensor([1, 2, 4]), 3) == 4  # no match: the last token again
+    assert lookup_next(torch.tensor([4]), 3) == 4
+
+
+def test_prompt_lookup_draft_keeps_the_targets_greedy_tokens_and_counts_no_model_call(gpt):
+    draft = PromptLookupDraft(VOCAB, gpt.max_len, ngram=2)
+    assert list(draft.parameters()) == []
+    generator = torch.Generator().manual_seed(7)
+    loop = torch.randint(0, VOCAB, (5,), generator=generator)
+    total = SpeculativeTotals()
+    for seed in range(4):
+        prompt = torch.cat([torch.randint(0, VOCAB, (3,), generator=generator), loop, loop])
+        calls = count_calls(gpt)
+        try:
+            tokens, stats = speculative_generate(gpt, draft, prompt, 16, num_draft=3)
+        finally:
+            calls.handle.remove()
+        assert torch.equal(tokens, generate(gpt, prompt, 16))
+        assert len(calls) == stats.target_calls and stats.draft_calls == stats.drafted
+        assert stats.accepted + stats.target_calls == 16
+        total.add(stats)
+    assert 0 < total.accepted < total.drafted  # a small model's greedy text repeats in part
+    # sampling: the draft proposes its guess with probability 1, and the run completes
+    tokens, stats = speculative_generate(
+        gpt, draft, prompt, 10, num_draft=2, temperature=1.0, generator=torch.Generator().manual_seed(1)
+    )
+    assert tokens.shape == (1, len(prompt) + 10) and stats.new_tokens == 10
+
+
+def test_prompt_lookup_draft_rejects_bad_input(gpt):
+    for options, match in [(dict(ngram=0), "ngram"), (dict(vocab_size=0), "vocab_size")]:
+        arguments = dict(vocab_size=VOCAB, max_len=48) | options
+        with pytest.raises(ValueError, match=match):
+            PromptLookupDraft(**arguments)
+    draft = PromptLookupDraft(VOCAB, 8)
+    with pytest.raises(ValueError, match="one sequence"):
+        draft.decoding_context(2)
+    history = draft.decoding_caches(1, None)[0]
+    history.append(torch.arange(6))
+    with pytest.raises(ValueError, match="cannot truncate to 7"):
+        history.truncate(7)
+    with pytest.raises(ValueError, match="holds 8 tokens; 9 do not fit"):
+        history.append(torch.arange(3))
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(gpt, PromptLookupDraft(VOCAB + 1, 48), torch.tensor([1, 2]), 4)
 
 
 class SpeculativeTotals:

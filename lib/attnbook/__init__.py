@@ -61,6 +61,7 @@ from .ctc import (
 from .experts import MoEFeedForward, record_routing
 from .flash import flash_attention
 from .generation import (
+    PromptLookupDraft,
     SpeculativeStats,
     accept_drafts,
     beam_search,
@@ -162,6 +163,7 @@ __all__ = [
     "Seq2SeqSpeechModel",
     "SinusoidalPositions",
     "SmallResNet",
+    "PromptLookupDraft",
     "SpeculativeStats",
     "SwiGLU",
     "Transcriber",

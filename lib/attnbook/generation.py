@@ -11,7 +11,7 @@ value per layer.
 ``decoding_caches``, ``decode_step``): the GPT, the encoder–decoder, Whisper and chapter
 10's speech model, and a wrapped or compiled one of them.
 :func:`speculative_generate` drives two of them, a target and a cheaper draft, over one
-shared vocabulary. :func:`generate_paged` decodes prompts of different lengths greedily,
+shared vocabulary; :class:`PromptLookupDraft` is a draft that is no model at all. :func:`generate_paged` decodes prompts of different lengths greedily,
 their KV caches paged into one shared pool of blocks (chapter 18), and returns one
 tensor per prompt.
 
@@ -25,6 +25,7 @@ continue one sequence), and a loop that has more to say returns it second:
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -852,6 +853,87 @@ def speculative_generate(
         return tokens, stats
 
 
+class _TokenHistory:
+    """A :class:`PromptLookupDraft`'s cache: the ``length`` tokens it has been fed, in
+    ``tokens (max_len,)``, rolled back by :meth:`truncate` as a KV cache is."""
+
+    static, can_truncate = False, True
+
+    def __init__(self, max_len: int, device):
+        self.tokens = torch.zeros(max_len, dtype=torch.long, device=device)
+        self.length = 0
+
+    def append(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Store ``tokens (t,)``; return every token so far, ``(length,)``."""
+        end = self.length + tokens.numel()
+        if end > self.tokens.numel():
+            raise ValueError(
+                f"the history holds {self.tokens.numel()} tokens; {end} do not fit"
+            )
+        self.tokens[self.length : end] = tokens
+        self.length = end
+        return self.tokens[:end]
+
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first ``length``."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate to {length}: it holds {self.length}")
+        self.length = length
+
+
+def lookup_next(history: torch.Tensor, ngram: int = 3) -> int:
+    """Prompt lookup's guess at the token after ``history (T,)``: find the latest
+    earlier place where its last ``ngram`` tokens occurred and return the token that
+    followed there; with no such place, try the last ``ngram - 1`` tokens, and so on
+    down to one; with no match at all, the last token again."""
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        # (T - n, n): every earlier window of n tokens, each followed by a token
+        windows = history[:-1].unfold(0, n, 1)
+        found = (windows == history[-n:]).all(1).nonzero()
+        if len(found):
+            return int(history[int(found[-1]) + n])
+    return int(history[-1])
+
+
+class PromptLookupDraft(torch.nn.Module):
+    """A draft for :func:`speculative_generate` that is no model: prompt lookup
+    decoding. Its guess at each next token is :func:`lookup_next` over every token so
+    far, prompt and text written, so it guesses right where the text repeats itself
+    (quoting the prompt, or a loop) and costs no model call.
+
+    It has the decoding interface of one sequence: ``vocab_size`` and ``max_len`` are
+    the target's; ``decode_step`` returns ``(1, 1, vocab_size)`` logits for the last
+    position only, 0 on the guess and ``-inf`` elsewhere, so that greedy decoding and
+    sampling at any temperature both propose the guess (with probability 1).
+    """
+
+    def __init__(self, vocab_size: int, max_len: int, ngram: int = 3):
+        super().__init__()
+        self.vocab_size = check_positive_int("vocab_size", vocab_size)
+        self.max_len = check_positive_int("max_len", max_len)
+        self.ngram = check_positive_int("ngram", ngram)
+        # empty: where the draft lives (what .to(device) moves); it has no weights
+        self.register_buffer("anchor", torch.zeros(0), persistent=False)
+
+    def decoding_context(self, batch_size: int, **inputs):
+        if batch_size != 1 or inputs:
+            raise ValueError("a PromptLookupDraft drafts for one sequence, no inputs")
+        return None
+
+    def decoding_caches(self, batch_size: int, context) -> list[_TokenHistory]:
+        return [_TokenHistory(self.max_len, self.anchor.device)]
+
+    def decode_step(self, tokens: torch.Tensor, context, caches) -> torch.Tensor:
+        """Append ``tokens (1, t)`` to the history; logits ``(1, 1, vocab_size)``."""
+        history = caches[0].append(tokens[0])
+        logits = torch.full((1, 1, self.vocab_size), float("-inf"))
+        logits[0, 0, lookup_next(history, self.ngram)] = 0.0
+        return logits.to(self.anchor.device)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, max_len={self.max_len}, ngram={self.ngram}"
+
+
 def _check_draft(target, draft, num_draft, run: _Decoding) -> int:
     """The draft's checks: the decoding interface, the target's vocabulary and device,
     room for the tokens; ``num_draft`` a positive int (returned)."""
@@ -863,7 +945,8 @@ def _check_draft(target, draft, num_draft, run: _Decoding) -> int:
             f"draft.vocab_size={draft.vocab_size}"
         )
     num_draft = check_positive_int("num_draft", num_draft)
-    draft_device = next(draft.parameters()).device
+    # the device of its first parameter or buffer (a PromptLookupDraft has no weights)
+    draft_device = next(itertools.chain(draft.parameters(), draft.buffers())).device
     if draft_device != run.prompt.device:
         raise ValueError(
             f"target and draft must be on one device, got {run.prompt.device} and "
@@ -890,12 +973,14 @@ def _truncatable_caches(caches) -> list:
 
 __all__ = [
     "DecodingRule",
+    "PromptLookupDraft",
     "SpeculativeStats",
     "accept_drafts",
     "beam_search",
     "decoding_rule",
     "generate",
     "generate_paged",
+    "lookup_next",
     "next_token",
     "ngram_blocked",
     "sampling_probabilities",
