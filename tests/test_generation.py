@@ -8,8 +8,8 @@ import torch
 from attnbook import (
     GPT,
     EncoderDecoderModel,
-    PromptLookupDraft,
     EncoderOnlyModel,
+    PromptLookupDraft,
     beam_search,
     generate,
     next_token,
@@ -712,7 +712,7 @@ def test_prompt_lookup_draft_keeps_the_targets_greedy_tokens_and_counts_no_model
     generator = torch.Generator().manual_seed(7)
     loop = torch.randint(0, VOCAB, (5,), generator=generator)
     total = SpeculativeTotals()
-    for seed in range(4):
+    for _ in range(4):
         prompt = torch.cat([torch.randint(0, VOCAB, (3,), generator=generator), loop, loop])
         calls = count_calls(gpt)
         try:

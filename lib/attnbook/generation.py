@@ -11,9 +11,9 @@ value per layer.
 ``decoding_caches``, ``decode_step``): the GPT, the encoder–decoder, Whisper and chapter
 10's speech model, and a wrapped or compiled one of them.
 :func:`speculative_generate` drives two of them, a target and a cheaper draft, over one
-shared vocabulary; :class:`PromptLookupDraft` is a draft that is no model at all. :func:`generate_paged` decodes prompts of different lengths greedily,
-their KV caches paged into one shared pool of blocks (chapter 18), and returns one
-tensor per prompt.
+shared vocabulary; :class:`PromptLookupDraft` is a draft that is no model at all.
+:func:`generate_paged` decodes prompts of different lengths greedily, their KV caches
+paged into one shared pool of blocks (chapter 18), and returns one tensor per prompt.
 
 One result convention for the three: the tokens come first, a ``(B, T0 + new)``
 LongTensor on the model's device with the prompt in front (``B = 1`` for the two that
@@ -931,7 +931,8 @@ class PromptLookupDraft(torch.nn.Module):
         return logits.to(self.anchor.device)
 
     def extra_repr(self) -> str:
-        return f"vocab_size={self.vocab_size}, max_len={self.max_len}, ngram={self.ngram}"
+        sizes = f"vocab_size={self.vocab_size}, max_len={self.max_len}"
+        return f"{sizes}, ngram={self.ngram}"
 
 
 def _check_draft(target, draft, num_draft, run: _Decoding) -> int:
