@@ -155,10 +155,28 @@ def notebook_client(nb, path: Path) -> NotebookClient:
     )
 
 
+# A kernel that dies before it answers never ran a cell: two kernels started at the same moment
+# can be handed the same free port (jupyter_client picks the ports, closes them and lets the
+# kernel bind them), and the second one dies with "Address already in use".
+KERNEL_START_FAILURES = ("Kernel died before replying to kernel_info",)
+KERNEL_START_TRIES = 3
+
+
 def execute(path: Path, out_dir: Path | None = None, out_name: str | None = None) -> float:
-    nb = nbformat.read(path, as_version=4)
-    start = time.perf_counter()
-    notebook_client(nb, path).execute()
+    for attempt in range(1, KERNEL_START_TRIES + 1):
+        nb = nbformat.read(path, as_version=4)
+        start = time.perf_counter()
+        try:
+            notebook_client(nb, path).execute()
+        except RuntimeError as error:  # a kernel that never started: start another
+            if attempt == KERNEL_START_TRIES or not any(
+                failure in str(error) for failure in KERNEL_START_FAILURES
+            ):
+                raise
+            print(f"{path.name}: its kernel died before it started ({error}); starting "
+                  "another", flush=True)
+            continue
+        break
     elapsed = time.perf_counter() - start
     tidy_streams(nb)
     nbformat.write(nb, path if out_dir is None else out_dir / (out_name or path.name))

@@ -299,3 +299,44 @@ def test_busy_runs_the_timed_notebooks_beside_the_load_and_stops_it(tmp_path):
     with execute_notebooks.busy_machine(1, limit_s=0.5) as loads:
         loads[0].wait(timeout=30)  # and stops by itself after its limit
     assert execute_notebooks.main(["--busy", "-1", str(paths[0])]) == 2
+
+
+def test_a_kernel_that_dies_before_it_starts_is_started_again(tmp_path, monkeypatch):
+    # two kernels started at once can be handed the same port; the second dies before it
+    # answers, before any cell ran: the notebook is run again in a new kernel
+    path = tmp_path / "nb.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nbformat.write(nb, path)
+    starts = []
+
+    class Client:
+        def __init__(self, nb, path):
+            self.nb = nb
+
+        def execute(self):
+            starts.append(1)
+            if len(starts) == 1:
+                raise RuntimeError("Kernel died before replying to kernel_info")
+
+    monkeypatch.setattr(execute_notebooks, "notebook_client", Client)
+    assert execute_notebooks.execute(path) >= 0
+    assert len(starts) == 2
+
+
+def test_an_error_inside_a_notebook_is_not_retried(tmp_path, monkeypatch):
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), path)
+    starts = []
+
+    class Client:
+        def __init__(self, nb, path):
+            pass
+
+        def execute(self):
+            starts.append(1)
+            raise RuntimeError("a cell failed")
+
+    monkeypatch.setattr(execute_notebooks, "notebook_client", Client)
+    with pytest.raises(RuntimeError, match="a cell failed"):
+        execute_notebooks.execute(path)
+    assert len(starts) == 1
