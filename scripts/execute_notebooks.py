@@ -155,10 +155,14 @@ def notebook_client(nb, path: Path) -> NotebookClient:
     )
 
 
-# A kernel that dies before it answers never ran a cell: two kernels started at the same moment
-# can be handed the same free port (jupyter_client picks the ports, closes them and lets the
-# kernel bind them), and the second one dies with "Address already in use".
-KERNEL_START_FAILURES = ("Kernel died before replying to kernel_info",)
+# A kernel that never answered never ran a cell: two kernels started at the same moment can be
+# handed the same free port (jupyter_client picks the ports, closes them and lets the kernel bind
+# them), and the second one dies with "Address already in use", which the client may notice only
+# when its startup timeout runs out.
+KERNEL_START_FAILURES = (
+    "Kernel died before replying to kernel_info",
+    "Kernel didn't respond in",
+)
 KERNEL_START_TRIES = 3
 
 
